@@ -1,0 +1,20 @@
+"""dpbook for JAX: ``from dpbook import jax as dp``.
+
+Call :func:`dpbook.emulate_cpu_devices` *before* importing this (it imports jax).
+Re-exports the framework-free core (``dp.Timer`` here waits for JAX arrays) and adds the
+JAX/Flax helpers. Never imports torch.
+"""
+from ..config import SCALES, Scale, num_devices
+from ..data import ArrayLoader, get_fashion_mnist_labels, read_fashion_mnist
+from ..devices import emulate_cpu_devices, split_sizes
+from ..plot import Animator
+from ..tools import Accumulator
+from .data import load_data_fashion_mnist
+from .devices import Timer, get_devices, get_scale, hardware_line, split_batch, synchronize
+from .models import LeNet, LeNet5, Residual, ResNet18, num_params
+
+__all__ = ["SCALES", "Scale", "num_devices", "ArrayLoader", "get_fashion_mnist_labels",
+           "read_fashion_mnist", "emulate_cpu_devices", "split_sizes", "Animator",
+           "Accumulator", "load_data_fashion_mnist", "Timer", "get_devices", "get_scale",
+           "hardware_line", "split_batch", "synchronize", "LeNet", "LeNet5", "Residual",
+           "ResNet18", "num_params"]

@@ -1,0 +1,73 @@
+"""Devices for JAX: pick them, time on them, split a batch across them."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+
+from .. import config, devices as _core, tools
+
+__all__ = ["get_devices", "synchronize", "Timer", "get_scale", "hardware_line", "split_batch"]
+
+
+def get_devices(n: int | None = None) -> list[jax.Device]:
+    """The first ``n`` of ``jax.devices()``.
+
+    ``n`` defaults to ``$DPBOOK_NUM_DEVICES``, else all devices. On a CPU, make several
+    devices with :func:`dpbook.emulate_cpu_devices` before importing jax.
+    """
+    available = jax.devices()
+    if n is None:
+        n = config.num_devices(default=len(available))
+    if n < 1:
+        raise ValueError(f"need at least one device, got {n}")
+    if n > len(available):
+        raise ValueError(
+            f"asked for {n} devices but jax has {len(available)} ({available[0].platform}); "
+            f"on a CPU call dpbook.emulate_cpu_devices({n}) before `import jax`")
+    return available[:n]
+
+
+def synchronize(result: Any = None) -> None:
+    """Wait until ``result`` (any pytree of arrays) is computed; JAX dispatches asynchronously."""
+    if result is not None:
+        jax.block_until_ready(result)
+
+
+class Timer(tools.Timer):
+    """:class:`dpbook.Timer` for JAX: ``timer.stop(result)`` waits for ``result`` first."""
+
+    def __init__(self, *, start: bool = True):
+        super().__init__(sync=synchronize, start=start)
+
+
+def get_scale(name: str | None = None) -> config.Scale:
+    """:func:`dpbook.get_scale` with the default chosen by ``jax.default_backend()``."""
+    return config.get_scale(name, has_gpu=jax.default_backend() == "gpu")
+
+
+def hardware_line(devices: Sequence[jax.Device] | None = None) -> str:
+    """Where a number came from: CPU, GPUs, the devices used, jax version and scale."""
+    if devices is None:
+        devices = get_devices()
+    gpus = [d.device_kind for d in jax.devices() if d.platform == "gpu"]
+    return _core.hardware_line([f"{d.platform}:{d.id}" for d in devices], gpus,
+                               {"jax": jax.__version__}, get_scale().name)
+
+
+def split_batch(X, y, devices: Sequence[jax.Device]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """Split a minibatch along its first axis, shard ``i`` placed on ``devices[i]``.
+
+    Shards are as equal as possible (:func:`dpbook.split_sizes`); a batch smaller than
+    the number of devices is refused with a ``ValueError``. Unequal shard shapes make
+    jitted code compile once per shape, so chapters pick batch sizes that divide evenly.
+    """
+    if len(X) != len(y):
+        raise ValueError(f"X has {len(X)} examples and y has {len(y)}")
+    sizes = _core.split_sizes(len(X), len(devices))
+    X_shards, y_shards, start = [], [], 0
+    for size, device in zip(sizes, devices):
+        X_shards.append(jax.device_put(X[start:start + size], device))
+        y_shards.append(jax.device_put(y[start:start + size], device))
+        start += size
+    return X_shards, y_shards

@@ -1,0 +1,134 @@
+"""Animator: a learning curve that works in Jupyter, in scripts and in the book build.
+
+d2l's Animator only shows anything inside Jupyter. This one
+
+* redraws in place in Jupyter (one output, updated with ``display_id``; the executed
+  notebook, and so the rendered site, keeps the last drawing),
+* writes an image file after every point when there is no notebook (a script, a test),
+  so ``python train.py`` leaves a picture you can open while it runs,
+* keeps every point in :attr:`Animator.X` / :attr:`Animator.Y` so tests can check them.
+
+It draws on a bare :class:`matplotlib.figure.Figure` (no pyplot, no GUI backend needed).
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import sys
+from typing import Sequence
+
+from matplotlib.figure import Figure
+
+__all__ = ["Animator", "in_notebook"]
+
+_counter = itertools.count(1)
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (also when nbclient executes a notebook for the book)."""
+    if "IPython" not in sys.modules:
+        return False
+    from IPython import get_ipython
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+class Animator:
+    """Plot data points as they arrive.
+
+    ``add(x, ys)`` appends one point to each line (``ys`` a number or a sequence with
+    ``None`` for "no point this time"). Outside a notebook the figure is written to
+    ``path`` (default: ``$DPBOOK_FIGURES`` or the current folder, ``animator-<k>.png``);
+    the suffix picks the format (``.png``, ``.svg``, ``.pdf``).
+    """
+
+    def __init__(self, xlabel: str | None = None, ylabel: str | None = None,
+                 legend: Sequence[str] | None = None, xlim=None, ylim=None,
+                 xscale: str = "linear", yscale: str = "linear",
+                 fmts: Sequence[str] = ("-", "m--", "g-.", "r:", "b-", "c--", "y-.", "k:"),
+                 figsize=(4.0, 2.8), title: str | None = None,
+                 path: str | os.PathLike | None = None, live: bool | None = None):
+        self.legend = list(legend) if legend else []
+        self.fmts = list(fmts)
+        self.config = dict(xlabel=xlabel, ylabel=ylabel, xlim=xlim, ylim=ylim,
+                           xscale=xscale, yscale=yscale, title=title)
+        self.X: list[list[float]] = []
+        self.Y: list[list[float]] = []
+        self.fig = Figure(figsize=figsize, layout="constrained")
+        self.axes = self.fig.add_subplot()
+        self.live = in_notebook() if live is None else live
+        self._handle = None
+        if path is None and not self.live:
+            path = os.path.join(os.environ.get("DPBOOK_FIGURES", "."),
+                                f"animator-{next(_counter)}.png")
+        self.path = None if path is None else os.fspath(path)
+        self._announced = False
+
+    def add(self, x: float, ys) -> None:
+        """Add the point ``(x, ys[i])`` to line ``i`` and redraw."""
+        if not isinstance(ys, (list, tuple)):
+            ys = [ys]
+        if not self.X:
+            self.X = [[] for _ in ys]
+            self.Y = [[] for _ in ys]
+        if len(ys) != len(self.Y):
+            raise ValueError(f"this Animator has {len(self.Y)} lines, add() got {len(ys)} values")
+        for i, y in enumerate(ys):
+            if y is not None:
+                self.X[i].append(float(x))
+                self.Y[i].append(float(y))
+        self.draw()
+
+    def series(self) -> dict[str, tuple[list[float], list[float]]]:
+        """The points of every line, by legend entry (``"0"``, ``"1"``… without a legend)."""
+        names = self.legend + [str(i) for i in range(len(self.legend), len(self.Y))]
+        return {name: (xs, ys) for name, xs, ys in zip(names, self.X, self.Y)}
+
+    def draw(self) -> None:
+        """Redraw the figure, then show it (notebook) or write it (everywhere else)."""
+        ax, c = self.axes, self.config
+        ax.cla()
+        for xs, ys, fmt in zip(self.X, self.Y, itertools.cycle(self.fmts)):
+            ax.plot(xs, ys, fmt)
+        ax.set_xlabel(c["xlabel"] or "")
+        ax.set_ylabel(c["ylabel"] or "")
+        ax.set_xscale(c["xscale"])
+        ax.set_yscale(c["yscale"])
+        if c["xlim"]:
+            ax.set_xlim(c["xlim"])
+        if c["ylim"]:
+            ax.set_ylim(c["ylim"])
+        if c["title"]:
+            ax.set_title(c["title"])
+        if self.legend:
+            ax.legend(self.legend)
+        ax.grid(True, alpha=0.3)
+        if self.live:
+            self._show()
+        if self.path:
+            self.savefig(self.path)
+
+    def _show(self) -> None:
+        from IPython.display import SVG, display
+        buf = io.StringIO()
+        self.fig.savefig(buf, format="svg")
+        image = SVG(buf.getvalue())
+        if self._handle is None:
+            self._handle = display(image, display_id=True)
+        else:
+            self._handle.update(image)
+
+    def savefig(self, path: str | os.PathLike) -> str:
+        """Write the figure to ``path`` (atomically: readers never see half a file)."""
+        path = os.fspath(path)
+        folder = os.path.dirname(path) or "."
+        os.makedirs(folder, exist_ok=True)
+        root, ext = os.path.splitext(path)
+        tmp = f"{root}.tmp{os.getpid()}{ext}"
+        self.fig.savefig(tmp)
+        os.replace(tmp, path)
+        if not self._announced and not self.live:
+            print(f"Animator: drawing to {path}", file=sys.stderr)
+            self._announced = True
+        return path

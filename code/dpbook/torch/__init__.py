@@ -1,0 +1,21 @@
+"""dpbook for PyTorch: ``from dpbook import torch as dp``.
+
+Re-exports the framework-free core (``dp.Timer`` here synchronizes CUDA) and adds the
+PyTorch helpers. Never imports jax.
+"""
+from ..config import SCALES, Scale, num_devices
+from ..data import get_fashion_mnist_labels, read_fashion_mnist
+from ..devices import emulate_cpu_devices, split_sizes
+from ..plot import Animator
+from ..tools import Accumulator
+from .data import load_data_fashion_mnist
+from .devices import (Timer, get_devices, get_scale, hardware_line, split_batch, synchronize,
+                      try_all_gpus, try_gpu)
+from .models import Residual, lenet, lenet5, num_params, resnet18
+from .train import accuracy, evaluate_accuracy
+
+__all__ = ["SCALES", "Scale", "num_devices", "get_fashion_mnist_labels", "read_fashion_mnist",
+           "emulate_cpu_devices", "split_sizes", "Animator", "Accumulator",
+           "load_data_fashion_mnist", "Timer", "get_devices", "get_scale", "hardware_line",
+           "split_batch", "synchronize", "try_all_gpus", "try_gpu", "Residual", "lenet",
+           "lenet5", "num_params", "resnet18", "accuracy", "evaluate_accuracy"]
