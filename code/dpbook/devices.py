@@ -22,12 +22,16 @@ def emulate_cpu_devices(n: int) -> None:
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"number of devices must be a positive integer, got {n!r}")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_FLAG)]
+    old = os.environ.get("XLA_FLAGS")
+    flags = [f for f in (old or "").split() if not f.startswith(_FLAG)]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_FLAG}={n}"])
     if "jax" in sys.modules:
-        jax = sys.modules["jax"]
-        have = len(jax.devices("cpu"))
+        have = len(sys.modules["jax"].devices("cpu"))
         if have < n:
+            if old is None:
+                del os.environ["XLA_FLAGS"]
+            else:
+                os.environ["XLA_FLAGS"] = old
             raise RuntimeError(
                 f"jax was imported before emulate_cpu_devices({n}) and already has {have} CPU "
                 f"device(s); XLA reads XLA_FLAGS only once. Restart the kernel (or process) "

@@ -1,0 +1,97 @@
+"""Build both editions of the book and assemble one site.
+
+    python tools/build_book.py                 # scale: $DPBOOK_SCALE, else full on a GPU, else cpu
+    python tools/build_book.py --scale quick -W --out /tmp/book   # what the tests run
+
+Each edition is built with ``jb build`` from its own config and toc. Notebooks are
+executed through jupyter-cache, in one cache per scale *and* per version of the
+``dpbook`` package: jupyter-cache keys only on a notebook's own code cells, so without the
+package hash a change in ``code/`` would leave stale outputs on the site.
+
+The site is ``<out>/site/``: English at the root, Chinese under ``zh/``.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+EDITIONS = {"en": ("_config.yml", "_toc.yml"), "zh": ("_config.zh.yml", "_toc.zh.yml")}
+
+
+def code_hash() -> str:
+    """A short hash of everything a notebook's outputs depend on besides its own cells."""
+    h = hashlib.sha256()
+    files = sorted((ROOT / "code" / "dpbook").rglob("*.py")) + [ROOT / "requirements.txt"]
+    for path in files:
+        h.update(path.relative_to(ROOT).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def default_scale() -> str:
+    if os.environ.get("DPBOOK_SCALE"):
+        return os.environ["DPBOOK_SCALE"]
+    from dpbook import torch as dp  # the default depends on whether there is a GPU
+    return dp.get_scale().name
+
+
+def build_edition(lang: str, scale: str, out: Path, warnings_as_errors: bool) -> Path:
+    config_name, toc_name = EDITIONS[lang]
+    config = yaml.safe_load((ROOT / config_name).read_text(encoding="utf8"))
+    cache_root = out / "cache"
+    cache = cache_root / f"{scale}-{code_hash()}"
+    for old in cache_root.glob(f"{scale}-*"):      # outputs of an older dpbook: never reused
+        if old != cache:
+            shutil.rmtree(old, ignore_errors=True)
+    config["execute"]["cache"] = str(cache)
+    config_path = out / "config" / f"_config.{lang}.yml"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf8")
+
+    dest = out / lang
+    cmd = [str(Path(sys.executable).parent / "jupyter-book"), "build", str(ROOT),
+           "--config", str(config_path), "--toc", str(ROOT / toc_name),
+           "--path-output", str(dest)]
+    if warnings_as_errors:
+        cmd += ["-W", "-n", "--keep-going"]
+    env = dict(os.environ, DPBOOK_SCALE=scale)
+    print(f"[build_book] {lang}: scale={scale}, cache={cache}", flush=True)
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    return dest / "_build" / "html"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", choices=["quick", "cpu", "full"], default=None)
+    parser.add_argument("--out", type=Path, default=ROOT / "_build")
+    parser.add_argument("-W", dest="strict", action="store_true",
+                        help="treat warnings as errors (the tests do)")
+    parser.add_argument("--lang", choices=list(EDITIONS), action="append",
+                        help="build only this edition (repeatable); default: both")
+    args = parser.parse_args(argv)
+    scale = args.scale or default_scale()
+    out = args.out.resolve()
+    langs = args.lang or list(EDITIONS)
+    html = {lang: build_edition(lang, scale, out, args.strict) for lang in langs}
+
+    site = out / "site"
+    shutil.rmtree(site, ignore_errors=True)
+    if "en" in html:
+        shutil.copytree(html["en"], site)
+    if "zh" in html:
+        shutil.copytree(html["zh"], site / "zh")
+    index = site / "index.html" if "en" in html else site / "zh" / "index.html"
+    print(f"[build_book] done: open {index}")
+    return index
+
+
+if __name__ == "__main__":
+    main()
