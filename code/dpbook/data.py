@@ -12,7 +12,6 @@ Nothing happens at import time.
 from __future__ import annotations
 
 import gzip
-import logging
 import os
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -73,6 +72,9 @@ def fetch_fashion_mnist(root: str | os.PathLike | None = None,
             found[name] = path      # the common case: no download, no write
             continue
         errors = []
+        if path.is_file():
+            errors.append(f"{path}: present, but its SHA-256 does not match "
+                          "(corrupt or truncated); not used")
         for base in mirrors:
             url = base + name
             try:
@@ -88,7 +90,7 @@ def fetch_fashion_mnist(root: str | os.PathLike | None = None,
         lines = [f"Fashion-MNIST is not available: {len(failures)} file(s) missing or corrupt "
                  f"in {folder} and no mirror could provide a valid copy."]
         for name, errors in failures.items():
-            lines.append(f"  {name} (sha256 {FILES[name][:12]}...), tried:")
+            lines.append(f"  {name} (sha256 {FILES[name][:12]}...):")
             lines += [f"    {e}" for e in errors]
         lines.append("Copy the official files into that folder, or set DPBOOK_DATA to a "
                      "folder that has them (e.g. DPBOOK_DATA=../shared/fashion-mnist).")
@@ -101,7 +103,6 @@ def _progressbar() -> bool:
         import tqdm  # noqa: F401 - pooch's progress bar needs it
     except ImportError:
         return False
-    logging.getLogger("pooch").setLevel(logging.WARNING)
     return True
 
 

@@ -1,0 +1,35 @@
+# dpbook: `make book` builds the site, `make test` runs the test suite.
+# Both create (or reuse) the virtual environment .venv first; run them again and they
+# skip what is already done.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.dpbook-installed
+PORT   ?= 8000
+
+.PHONY: book test serve env clean
+
+env: $(STAMP)
+
+$(STAMP): requirements.txt code/pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "dpbook needs Python >= 3.10, this is " + sys.version.split()[0]'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet -e code
+	touch $@
+
+book: $(STAMP)
+	$(PY) tools/build_book.py
+
+test: $(STAMP)
+	DPBOOK_SCALE=quick $(PY) -m pytest
+
+serve:
+	@test -f _build/site/index.html || { echo "no site yet: run 'make book' first"; exit 1; }
+	@echo "serving http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
+	$(PY) -m http.server $(PORT) --bind 127.0.0.1 --directory _build/site
+
+clean:
+	rm -rf _build

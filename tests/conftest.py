@@ -1,0 +1,65 @@
+"""Shared test setup.
+
+* JAX gets 8 emulated CPU devices: the flag is set here, before any test imports jax.
+* Tests run at ``DPBOOK_SCALE=quick`` unless the environment says otherwise.
+* Markers ``gpu``, ``multigpu`` and ``slow`` skip with a reason naming what is missing.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import dpbook
+
+ROOT = Path(__file__).resolve().parent.parent
+NUM_JAX_DEVICES = 8
+dpbook.emulate_cpu_devices(NUM_JAX_DEVICES)
+os.environ.setdefault("DPBOOK_SCALE", "quick")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow")
+
+
+def _num_gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+def pytest_collection_modifyitems(config, items):
+    num_gpus = None
+    for item in items:
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(pytest.mark.skip(reason="slow test: pass --run-slow to run it"))
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
+            if num_gpus is None:
+                num_gpus = _num_gpus()
+            need = 2 if "multigpu" in item.keywords else 1
+            if num_gpus < need:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs {need} CUDA GPU(s); torch.cuda.device_count() is {num_gpus}"))
+
+
+def shared_data_dir() -> Path | None:
+    """A folder with valid Fashion-MNIST files, or None: $DPBOOK_DATA, then ../shared."""
+    candidates = [os.environ.get("DPBOOK_DATA"), ROOT.parent / "shared" / "fashion-mnist"]
+    for c in candidates:
+        if c and all((Path(c) / name).is_file() for name in dpbook.data.FILES):
+            return Path(c)
+    return None
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist_dir() -> Path:
+    """The real dataset; skips (saying why) when no local copy exists — tests never download."""
+    folder = shared_data_dir()
+    if folder is None:
+        pytest.skip("Fashion-MNIST not found: set DPBOOK_DATA to a folder with the four "
+                    "official .gz files (tests never download)")
+    return folder

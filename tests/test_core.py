@@ -1,0 +1,205 @@
+"""The framework-free core: scale, devices flag, split sizes, Timer, Accumulator, Animator."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import dpbook
+from dpbook import config
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+# --- scale and settings -----------------------------------------------------------------
+
+def test_scale_default_depends_on_gpu(monkeypatch):
+    monkeypatch.delenv("DPBOOK_SCALE", raising=False)
+    assert dpbook.get_scale(has_gpu=False).name == "cpu"
+    assert dpbook.get_scale(has_gpu=True).name == "full"
+
+
+def test_scale_from_env_and_argument(monkeypatch):
+    monkeypatch.setenv("DPBOOK_SCALE", "Quick ")
+    assert dpbook.get_scale().name == "quick"
+    assert dpbook.get_scale("full").name == "full"     # an argument wins over the env
+
+
+def test_scale_unknown_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("DPBOOK_SCALE", "huge")
+    with pytest.raises(ValueError, match="unknown scale 'huge'.*quick, cpu, full"):
+        dpbook.get_scale()
+
+
+def test_scales_grow():
+    q, c, f = (config.SCALES[n] for n in ("quick", "cpu", "full"))
+    assert q.num_train < 60000 and c.num_train is None and f.num_train is None
+    assert q.num_epochs <= c.num_epochs <= f.num_epochs
+    assert q.resnet_width < c.resnet_width < f.resnet_width == 64
+    assert q.matmul_size < c.matmul_size < f.matmul_size
+
+
+def test_num_devices(monkeypatch):
+    monkeypatch.delenv("DPBOOK_NUM_DEVICES", raising=False)
+    assert dpbook.num_devices(default=3) == 3
+    monkeypatch.setenv("DPBOOK_NUM_DEVICES", "5")
+    assert dpbook.num_devices(default=3) == 5
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("DPBOOK_NUM_DEVICES", bad)
+        with pytest.raises(ValueError, match="positive integer"):
+            dpbook.num_devices(default=3)
+
+
+# --- split sizes ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n, k, sizes", [(8, 2, [4, 4]), (10, 4, [3, 3, 2, 2]),
+                                         (5, 5, [1] * 5), (7, 1, [7])])
+def test_split_sizes(n, k, sizes):
+    assert dpbook.split_sizes(n, k) == sizes
+
+
+def test_split_sizes_refuses_empty_shards():
+    with pytest.raises(ValueError, match="batch of 3 example.*4 devices"):
+        dpbook.split_sizes(3, 4)
+    with pytest.raises(ValueError, match="at least one device"):
+        dpbook.split_sizes(3, 0)
+
+
+# --- emulated JAX devices ---------------------------------------------------------------
+
+def test_emulate_cpu_devices_keeps_other_flags():
+    code = ("import os, dpbook; dpbook.emulate_cpu_devices(3); dpbook.emulate_cpu_devices(5);"
+            "print(os.environ['XLA_FLAGS'])")
+    out = run_python(code, XLA_FLAGS="--xla_dump_to=/tmp/x")
+    assert out.returncode == 0, out.stderr
+    flags = out.stdout.split()
+    assert flags == ["--xla_dump_to=/tmp/x", "--xla_force_host_platform_device_count=5"]
+
+
+def test_emulate_cpu_devices_gives_devices():
+    code = "import dpbook; dpbook.emulate_cpu_devices(3); import jax; print(len(jax.devices()))"
+    out = run_python(code, XLA_FLAGS="")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3"
+
+
+def test_emulate_cpu_devices_after_import_jax_fails_loudly():
+    code = ("import jax; jax.devices(); import dpbook\n"
+            "dpbook.emulate_cpu_devices(1)  # enough devices already: fine\n"
+            "dpbook.emulate_cpu_devices(4)")
+    out = run_python(code, XLA_FLAGS="")
+    assert out.returncode != 0
+    assert "RuntimeError" in out.stderr and "before `import jax`" in out.stderr
+
+
+def test_emulate_cpu_devices_rejects_bad_counts():
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError):
+            dpbook.emulate_cpu_devices(bad)
+
+
+# --- imports: the core is framework-free, the parts never import each other -------------
+
+@pytest.mark.parametrize("module, forbidden", [
+    ("dpbook", ("torch", "jax")), ("dpbook.torch", ("jax", "flax")),
+    ("dpbook.jax", ("torch",))])
+def test_import_isolation(module, forbidden):
+    code = f"import sys, {module}; print([m for m in {forbidden!r} if m in sys.modules])"
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_code_folder_does_not_shadow_stdlib_code():
+    out = subprocess.run([sys.executable, "-c", "import code, pdb, dpbook; print(code.__file__)"],
+                         capture_output=True, text=True, cwd=dpbook.__file__.rsplit("/code/", 1)[0])
+    assert out.returncode == 0, out.stderr
+    assert "/code/" not in out.stdout and out.stdout.strip().endswith("code.py")
+
+
+# --- Timer and Accumulator --------------------------------------------------------------
+
+def test_timer_measures_and_syncs():
+    waited = []
+    timer = dpbook.Timer(sync=waited.append)
+    time.sleep(0.02)
+    t = timer.stop("result")
+    assert 0.015 < t < 1.0
+    assert waited == [None, "result"]          # synced at start and before reading
+    timer.start(); timer.stop()
+    assert len(timer.times) == 2
+    assert timer.sum() == pytest.approx(sum(timer.times))
+    assert timer.avg() == pytest.approx(timer.sum() / 2)
+    assert timer.cumsum()[-1] == pytest.approx(timer.sum())
+
+
+def test_timer_stop_without_start():
+    timer = dpbook.Timer(start=False)
+    with pytest.raises(RuntimeError, match="before Timer.start"):
+        timer.stop()
+
+
+def test_accumulator():
+    acc = dpbook.Accumulator(2)
+    acc.add(1, 2)
+    acc.add(3.5, 4)
+    assert (acc[0], acc[1]) == (4.5, 6.0)
+    with pytest.raises(ValueError):
+        acc.add(1)
+    acc.reset()
+    assert acc.data == [0.0, 0.0]
+
+
+# --- Animator -----------------------------------------------------------------------------
+
+def test_animator_in_a_script_writes_the_figure(tmp_path):
+    path = tmp_path / "curve.png"
+    animator = dpbook.Animator(xlabel="epoch", legend=["train loss", "test acc"], path=path)
+    animator.add(1, (0.9, None))
+    animator.add(2, (0.5, 0.8))
+    assert not animator.live
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert animator.series() == {"train loss": ([1.0, 2.0], [0.9, 0.5]),
+                                 "test acc": ([2.0], [0.8])}
+    with pytest.raises(ValueError, match="2 lines"):
+        animator.add(3, (1, 2, 3))
+
+
+def test_animator_default_path_and_svg(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPBOOK_FIGURES", str(tmp_path))
+    animator = dpbook.Animator()
+    animator.add(0, 1.0)
+    files = list(tmp_path.glob("animator-*.png"))
+    assert len(files) == 1
+    assert animator.savefig(tmp_path / "c.svg").endswith("c.svg")
+    assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+
+
+def test_animator_redraws_in_place_in_jupyter():
+    """Run in a real kernel: one output whose display is updated, not one per point."""
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import dpbook\nanim = dpbook.Animator(legend=['a'])\n"
+        "for i in range(3):\n    anim.add(i, i * i)\nprint(anim.live, anim.path)")])
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    outputs = nb.cells[0].outputs
+    displays = [o for o in outputs if o.output_type == "display_data"]
+    assert len(displays) == 1 and "image/svg+xml" in displays[0].data
+    assert outputs[-1].text.strip() == "True None"
+
+
+# --- hardware line ------------------------------------------------------------------------
+
+def test_hardware_line():
+    line = dpbook.hardware_line(["cpu", "cpu"], frameworks={"torch": "9.9"}, scale="quick")
+    assert line.startswith("hardware | cpu: ")
+    assert "gpus: none" in line and "devices (2): [cpu, cpu]" in line
+    assert "torch 9.9" in line and "scale: quick" in line
+    assert "gpus: A100, A100" in dpbook.hardware_line(["cuda:0"], ["A100", "A100"])

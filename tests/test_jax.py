@@ -1,0 +1,85 @@
+"""dpbook.jax: devices, batch splitting, Flax models, data loaders."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import NUM_JAX_DEVICES
+from dpbook import jax as dp
+from test_torch import PARAMS, RESNET18_PARAMS
+
+
+def test_emulated_devices():
+    assert len(jax.devices()) == NUM_JAX_DEVICES
+
+
+def test_get_devices(monkeypatch):
+    monkeypatch.delenv("DPBOOK_NUM_DEVICES", raising=False)
+    assert dp.get_devices() == jax.devices()
+    monkeypatch.setenv("DPBOOK_NUM_DEVICES", "3")
+    assert dp.get_devices() == jax.devices()[:3]
+    with pytest.raises(ValueError, match="emulate_cpu_devices"):
+        dp.get_devices(NUM_JAX_DEVICES + 1)
+
+
+def test_split_batch_places_shards():
+    X, y = np.arange(20.0).reshape(10, 2), np.arange(10)
+    devices = jax.devices()[:4]
+    Xs, ys = dp.split_batch(X, y, devices)
+    assert [len(x) for x in Xs] == [3, 3, 2, 2]
+    assert [x.devices() for x in Xs] == [{d} for d in devices]
+    assert [t.devices() for t in ys] == [{d} for d in devices]
+    np.testing.assert_array_equal(np.concatenate([np.asarray(x) for x in Xs]), X)
+    with pytest.raises(ValueError, match="batch of 3"):
+        dp.split_batch(X[:3], y[:3], devices)
+
+
+@pytest.mark.parametrize("name, cls", [("lenet", dp.LeNet), ("lenet5", dp.LeNet5)])
+def test_lenets_match_torch_sizes(name, cls):
+    x = jnp.zeros((5, 28, 28, 1))
+    variables = jax.jit(cls().init)(jax.random.key(0), x)
+    assert dp.num_params(variables["params"]) == PARAMS[name]
+    assert jax.jit(cls().apply)(variables, x).shape == (5, 10)
+
+
+@pytest.mark.parametrize("width", sorted(RESNET18_PARAMS))
+def test_resnet18_matches_torch_size(width):
+    model = dp.ResNet18(num_classes=10, width=width)
+    x = jnp.zeros((2, 28, 28, 1))
+    shapes = jax.eval_shape(lambda k: model.init(k, x, train=False), jax.random.key(0))
+    assert dp.num_params(shapes["params"]) == RESNET18_PARAMS[width]
+    assert set(shapes) == {"params", "batch_stats"}
+
+
+def test_resnet18_forward():
+    model = dp.ResNet18(num_classes=10, width=4)
+    x = jnp.ones((2, 28, 28, 1))
+    variables = jax.jit(lambda k: model.init(k, x, train=False))(jax.random.key(0))
+    apply = jax.jit(lambda v: model.apply(v, x, train=True, mutable=["batch_stats"]))
+    logits, updates = apply(variables)
+    assert logits.shape == (2, 10) and "batch_stats" in updates
+    assert not jax.tree_util.tree_all(jax.tree_util.tree_map(
+        jnp.array_equal, updates["batch_stats"], variables["batch_stats"]))
+
+
+def test_timer_waits_for_the_result():
+    timer = dp.Timer()
+    result = jnp.ones((256, 256)) @ jnp.ones((256, 256))
+    timer.stop(result)
+    assert timer.times[0] > 0
+
+
+def test_hardware_line_names_devices_and_jax():
+    line = dp.hardware_line(jax.devices()[:2])
+    assert "devices (2): [cpu:0, cpu:1]" in line and f"jax {jax.__version__}" in line
+
+
+def test_load_data_fashion_mnist(fashion_mnist_dir):
+    train_iter, test_iter = dp.load_data_fashion_mnist(100, 250, 130, root=fashion_mnist_dir)
+    batches = list(train_iter)
+    assert len(batches) == 2                                 # the partial batch is dropped
+    X, y = batches[0]
+    assert X.shape == (100, 28, 28, 1) and X.dtype == np.float32 and y.dtype == np.int32
+    assert sum(len(b[1]) for b in test_iter) == 130           # the test set is complete

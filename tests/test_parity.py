@@ -1,0 +1,48 @@
+"""The two editions stay in step: same files, same order, same labels, same code."""
+from __future__ import annotations
+
+import pytest
+
+from book import ROOT, code_cells, labels, notebooks, source, strip_comments, toc_files
+
+
+def test_tocs_list_the_same_files_in_the_same_order():
+    en = toc_files("en")
+    zh = toc_files("zh")
+    assert [f.replace("chapters/en/", "chapters/zh/", 1) for f in en] == zh
+    assert all(f.startswith("chapters/en/") for f in en)
+
+
+def test_every_toc_file_exists():
+    for lang in ("en", "zh"):
+        for entry in toc_files(lang):
+            assert source(entry).is_file(), f"{entry}.md is in the {lang} toc but missing"
+
+
+def test_chapter_folders_have_the_same_files():
+    en = sorted(p.relative_to(ROOT / "chapters/en") for p in (ROOT / "chapters/en").rglob("*")
+                if p.is_file())
+    zh = sorted(p.relative_to(ROOT / "chapters/zh") for p in (ROOT / "chapters/zh").rglob("*")
+                if p.is_file())
+    assert en == zh
+
+
+@pytest.mark.parametrize("entry", toc_files("en"))
+def test_same_labels(entry):
+    en = source(entry)
+    zh = source(entry.replace("chapters/en/", "chapters/zh/", 1))
+    assert labels(en) == labels(zh)
+
+
+@pytest.mark.parametrize("en", notebooks("en"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_same_code_cells(en):
+    zh = ROOT / "chapters/zh" / en.relative_to(ROOT / "chapters/en")
+    en_cells, zh_cells = code_cells(en), code_cells(zh)
+    assert len(en_cells) == len(zh_cells), "the editions have different numbers of code cells"
+    for i, (a, b) in enumerate(zip(en_cells, zh_cells)):
+        assert a == b, f"code cell {i} differs between {en.name} editions:\n{a}\n---\n{b}"
+
+
+def test_strip_comments_keeps_strings():
+    code = "x = '# not a comment'  # a comment\n# only a comment\ny = 1\n"
+    assert strip_comments(code) == "x = '# not a comment'\ny = 1"
