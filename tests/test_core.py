@@ -179,6 +179,9 @@ def test_animator_default_path_and_svg(tmp_path, monkeypatch):
     assert len(files) == 1
     assert animator.savefig(tmp_path / "c.svg").endswith("c.svg")
     assert (tmp_path / "c.svg").read_text().lstrip().startswith("<?xml")
+    quiet = dpbook.Animator(path=False, live=False)
+    quiet.add(0, 1.0)
+    assert quiet.path is None and len(list(tmp_path.iterdir())) == 2   # nothing written
 
 
 def test_animator_redraws_in_place_in_jupyter():

@@ -8,6 +8,7 @@ import pytest
 from nbclient import NotebookClient
 
 from book import ROOT, notebooks
+from conftest import shared_data_dir
 
 NOTEBOOKS = notebooks("en") + notebooks("zh")
 
@@ -17,6 +18,9 @@ def execute(path, **env):
     nb = jupytext.read(path)
     saved = dict(os.environ)
     os.environ.update({"DPBOOK_SCALE": "quick", **env})
+    data = shared_data_dir()
+    if data is not None:                       # never download in tests
+        os.environ["DPBOOK_DATA"] = str(data.resolve())
     os.environ.pop("XLA_FLAGS", None)          # the kernel must set its own device count
     try:
         NotebookClient(nb, timeout=600, kernel_name="python3",

@@ -40,7 +40,7 @@ class Scale:
 SCALES = {
     "quick": Scale("quick", num_train=1024, num_test=512, num_epochs=1,
                    resnet_epochs=1, resnet_width=4, matmul_size=128, num_repeats=3),
-    "cpu": Scale("cpu", num_train=None, num_test=None, num_epochs=10,
+    "cpu": Scale("cpu", num_train=None, num_test=None, num_epochs=5,
                  resnet_epochs=2, resnet_width=16, matmul_size=1024, num_repeats=10),
     "full": Scale("full", num_train=None, num_test=None, num_epochs=10,
                   resnet_epochs=10, resnet_width=64, matmul_size=4096, num_repeats=20),

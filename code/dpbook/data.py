@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -52,7 +53,7 @@ def data_dir(root: str | os.PathLike | None = None) -> Path:
     if root is None:
         import platformdirs
         root = Path(platformdirs.user_cache_dir("dpbook")) / "fashion-mnist"
-    return Path(root).expanduser()
+    return Path(root).expanduser().resolve()
 
 
 def fetch_fashion_mnist(root: str | os.PathLike | None = None,
@@ -62,7 +63,9 @@ def fetch_fashion_mnist(root: str | os.PathLike | None = None,
     Returns ``{file name: path}``. Raises :class:`DataUnavailableError` naming every file
     that could not be obtained, the URLs tried and ``DPBOOK_DATA``.
     """
-    import pooch
+    with warnings.catch_warnings():   # pooch imports tqdm.auto, which warns in Jupyter
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        import pooch
 
     folder = data_dir(root)
     found, failures = {}, {}
@@ -77,13 +80,17 @@ def fetch_fashion_mnist(root: str | os.PathLike | None = None,
                           "(corrupt or truncated); not used")
         for base in mirrors:
             url = base + name
+            progress = _progressbar(name)
             try:
                 found[name] = Path(pooch.retrieve(
                     url, known_hash=f"sha256:{sha256}", fname=name, path=folder,
-                    progressbar=_progressbar()))
+                    progressbar=progress))
                 break
             except Exception as e:  # noqa: BLE001 - every failure is reported below
                 errors.append(f"{url}: {type(e).__name__}: {_first_line(e)}")
+            finally:
+                if progress:
+                    progress.close()
         else:
             failures[name] = errors
     if failures:
@@ -98,12 +105,13 @@ def fetch_fashion_mnist(root: str | os.PathLike | None = None,
     return found
 
 
-def _progressbar() -> bool:
+def _progressbar(name: str):
+    """A plain-text tqdm bar for pooch (``tqdm.auto`` would need ipywidgets in Jupyter)."""
     try:
-        import tqdm  # noqa: F401 - pooch's progress bar needs it
+        from tqdm.std import tqdm
     except ImportError:
         return False
-    return True
+    return tqdm(desc=name, unit="B", unit_scale=True, leave=False, total=0)
 
 
 def _first_line(e: Exception) -> str:

@@ -40,7 +40,8 @@ class Animator:
     ``add(x, ys)`` appends one point to each line (``ys`` a number or a sequence with
     ``None`` for "no point this time"). Outside a notebook the figure is written to
     ``path`` (default: ``$DPBOOK_FIGURES`` or the current folder, ``animator-<k>.png``);
-    the suffix picks the format (``.png``, ``.svg``, ``.pdf``).
+    the suffix picks the format (``.png``, ``.svg``, ``.pdf``). ``path=False`` keeps the
+    points in memory only; ``live`` forces the notebook display on or off.
     """
 
     def __init__(self, xlabel: str | None = None, ylabel: str | None = None,
@@ -48,7 +49,7 @@ class Animator:
                  xscale: str = "linear", yscale: str = "linear",
                  fmts: Sequence[str] = ("-", "m--", "g-.", "r:", "b-", "c--", "y-.", "k:"),
                  figsize=(4.0, 2.8), title: str | None = None,
-                 path: str | os.PathLike | None = None, live: bool | None = None):
+                 path: str | os.PathLike | bool | None = None, live: bool | None = None):
         self.legend = list(legend) if legend else []
         self.fmts = list(fmts)
         self.config = dict(xlabel=xlabel, ylabel=ylabel, xlim=xlim, ylim=ylim,
@@ -62,7 +63,7 @@ class Animator:
         if path is None and not self.live:
             path = os.path.join(os.environ.get("DPBOOK_FIGURES", "."),
                                 f"animator-{next(_counter)}.png")
-        self.path = None if path is None else os.fspath(path)
+        self.path = None if path is None or path is False else os.fspath(path)
         self._announced = False
 
     def add(self, x: float, ys) -> None:
@@ -95,10 +96,9 @@ class Animator:
         ax.set_ylabel(c["ylabel"] or "")
         ax.set_xscale(c["xscale"])
         ax.set_yscale(c["yscale"])
-        if c["xlim"]:
-            ax.set_xlim(c["xlim"])
-        if c["ylim"]:
-            ax.set_ylim(c["ylim"])
+        for lim, setter in ((c["xlim"], ax.set_xlim), (c["ylim"], ax.set_ylim)):
+            if lim and lim[0] != lim[1]:     # a one-epoch run has xlim [1, 1]: let it be
+                setter(lim)
         if c["title"]:
             ax.set_title(c["title"])
         if self.legend:
