@@ -45,3 +45,15 @@ def test_notebook_runs(path):
     text = outputs_text(nb)
     assert "hardware | " in text, "a notebook must print the hardware line of its run"
     assert "scale: quick" in text
+
+
+# The from-scratch chapter must work for any number of devices, including 1 and a number
+# that does not divide the batch sizes (3).
+SCRATCH = [p for p in notebooks("en") if p.parent.name == "from-scratch"]
+
+
+@pytest.mark.parametrize("num_devices", ["1", "3", "8"])
+@pytest.mark.parametrize("path", SCRATCH, ids=lambda p: str(p.relative_to(ROOT)))
+def test_from_scratch_runs_with_any_device_count(path, num_devices):
+    nb = execute(path, DPBOOK_NUM_DEVICES=num_devices)
+    assert f"devices ({num_devices}):" in outputs_text(nb)

@@ -143,7 +143,8 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
           animator: Animator | None = None) -> dict:
     """Train LeNet on Fashion-MNIST with :func:`train_batch` on ``num_devices`` devices.
 
-    Like ``dpbook.torch.scratch.train``: same data, epochs, curves and results.
+    Like ``dpbook.torch.scratch.train``: same data, epochs, curves and results. One
+    untimed warm-up step compiles the jitted functions first.
     """
     scale = scale or get_scale()
     num_epochs = num_epochs or scale.num_epochs
@@ -156,6 +157,10 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
         animator = Animator(xlabel="epoch", xlim=[1, num_epochs],
                             legend=["train loss", "test acc"],
                             title=f"{num_devices} device(s), batch {batch_size}, lr {lr}")
+    # Warm-up: compile for this batch shape outside the timed epochs. The step is
+    # functional, so throwing its result away leaves the parameters untouched.
+    X, y = next(iter(train_iter))
+    jax.block_until_ready(train_batch(X, y, device_params, devices, lr))
     timer = Timer(start=False)
     for epoch in range(num_epochs):
         metric = Accumulator(2)      # summed loss, examples
