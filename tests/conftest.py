@@ -63,3 +63,14 @@ def fashion_mnist_dir() -> Path:
         pytest.skip("Fashion-MNIST not found: set DPBOOK_DATA to a folder with the four "
                     "official .gz files (tests never download)")
     return folder
+
+
+@pytest.fixture(scope="session")
+def book_out(tmp_path_factory) -> Path:
+    """The build folder of the test build of the book (tools/build_book.py --out).
+
+    tests/test_notebooks.py stores the notebooks it executes in this folder's
+    jupyter-cache, so that the book build (tests/test_site.py, which runs later) does not
+    execute them a second time.
+    """
+    return tmp_path_factory.mktemp("book")

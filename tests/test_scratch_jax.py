@@ -13,6 +13,13 @@ from dpbook.jax import scratch
 TOL = 1e-5   # float32 rounding of a different summation order
 
 
+def random_params(seed):
+    """Random weights (not the zero output layer of the init): every layer gets a gradient."""
+    params = scratch.init_lenet_params(jax.random.key(seed))
+    return [p + 0.1 * jax.random.normal(jax.random.key(100 + i), p.shape)
+            for i, p in enumerate(params)]
+
+
 def batch(n, seed=0):
     rng = np.random.default_rng(seed)
     return rng.random((n, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, n).astype(np.int32)
@@ -30,6 +37,8 @@ def test_conv2d_equals_lax_conv():
 def test_lenet_by_hand_equals_flax_lenet():
     params = scratch.init_lenet_params(jax.random.key(0))
     assert sum(p.size for p in params) == 129_068
+    params = [p + 0.1 * jax.random.normal(jax.random.key(i), p.shape)   # every layer matters
+              for i, p in enumerate(params)]
     X, _ = batch(4)
     names = ["Conv_0", "Conv_1", "Dense_0", "Dense_1"]
     flax_params = {n: {"kernel": W, "bias": b}
@@ -52,7 +61,7 @@ def test_allreduce_returns_the_sum_on_every_device(k):
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 def test_k_device_step_equals_one_device_step(k):
     X, y = batch(24 * k, seed=k)
-    init = scratch.init_lenet_params(jax.random.key(1))
+    init = random_params(1)
     devices = jax.devices()[:k]
     [reference], _ = scratch.train_batch(X, y, [scratch.get_params(init, devices[0])],
                                          devices[:1], 0.3)
@@ -60,6 +69,7 @@ def test_k_device_step_equals_one_device_step(k):
                                          devices, 0.3)
     for ref, p in zip(reference, replicas[0]):
         np.testing.assert_allclose(p, ref, atol=TOL, rtol=0)
+    assert all(not np.array_equal(a, b) for a, b in zip(replicas[0], init))  # all moved
     for replica, device in zip(replicas, devices):
         assert all(p.devices() == {device} for p in replica)
         assert all(np.array_equal(a, b) for a, b in zip(replica, replicas[0]))
@@ -68,7 +78,7 @@ def test_k_device_step_equals_one_device_step(k):
 
 def test_uneven_split_still_equals_one_device():
     X, y = batch(30)
-    init = scratch.init_lenet_params(jax.random.key(2))
+    init = random_params(2)
     devices = jax.devices()[:4]                 # shards of 8, 8, 7, 7
     [reference], _ = scratch.train_batch(X, y, [init], devices[:1], 0.3)
     replicas, _ = scratch.train_batch(X, y, [scratch.get_params(init, d) for d in devices],
@@ -86,4 +96,7 @@ def test_train_runs_and_matches_across_device_counts(fashion_mnist_dir):
         losses = r["animator"].series()["train loss"][1]
         assert len(losses) == 2 and losses[1] < losses[0]
         assert 0.2 < r["test_acc"] <= 1          # chance is 0.1
-    assert results[0]["train_loss"] == pytest.approx(results[1]["train_loss"], rel=1e-3)
+    # Same data, same initial parameters, equivalent steps: the first epoch's losses agree
+    # to rounding. (Later epochs may drift apart: training amplifies 1e-7 differences.)
+    first = [r["animator"].series()["train loss"][1][0] for r in results]
+    assert first[0] == pytest.approx(first[1], rel=1e-5)

@@ -23,21 +23,23 @@ __all__ = ["init_lenet_params", "conv2d", "avg_pool2d", "lenet_forward", "loss_f
 
 
 def init_lenet_params(key: jax.Array) -> list[jax.Array]:
-    """LeNet's weights drawn from ``key`` with LeCun-normal scaling, biases zero (NHWC/HWIO).
+    """LeNet's parameters drawn from ``key`` (NHWC/HWIO layout).
 
-    Each weight is normal with variance 1 / fan_in, as Flax's layers do by default.
-    Shapes: conv1 (3, 3, 1, 20), conv2 (5, 5, 20, 50), dense (800, 128), dense (128, 10),
-    each followed by its bias: 129,068 numbers, like ``dpbook.jax.LeNet``.
+    Hidden layers: He initialization (normal, variance 2 / fan_in). Output layer and
+    biases: zero, so the first logits are all zero and the first steps stay small even
+    with a large learning rate. Shapes: conv1 (3, 3, 1, 20), conv2 (5, 5, 20, 50),
+    dense (800, 128), dense (128, 10), each followed by its bias: 129,068 numbers, like
+    ``dpbook.jax.LeNet``.
     """
-    k1, k2, k3, k4 = jax.random.split(key, 4)
+    k1, k2, k3 = jax.random.split(key, 3)
 
-    def normal(k, shape, fan_in):
-        return jax.random.normal(k, shape) / fan_in ** 0.5
+    def he(k, shape, fan_in):
+        return jax.random.normal(k, shape) * (2 / fan_in) ** 0.5
 
-    return [normal(k1, (3, 3, 1, 20), 9), jnp.zeros(20),
-            normal(k2, (5, 5, 20, 50), 500), jnp.zeros(50),
-            normal(k3, (800, 128), 800), jnp.zeros(128),
-            normal(k4, (128, 10), 128), jnp.zeros(10)]
+    return [he(k1, (3, 3, 1, 20), 9), jnp.zeros(20),
+            he(k2, (5, 5, 20, 50), 500), jnp.zeros(50),
+            he(k3, (800, 128), 800), jnp.zeros(128),
+            jnp.zeros((128, 10)), jnp.zeros(10)]
 
 
 def conv2d(X: jax.Array, W: jax.Array, b: jax.Array) -> jax.Array:

@@ -30,22 +30,23 @@ __all__ = ["init_lenet_params", "lenet_forward", "get_params", "allreduce", "sgd
 
 
 def init_lenet_params(seed: int = 0) -> list[torch.Tensor]:
-    """LeNet's weights drawn from ``seed`` with LeCun-normal scaling, biases zero, on the CPU.
+    """LeNet's parameters drawn from ``seed``, on the CPU.
 
-    Each weight is normal with variance 1 / fan_in (the default of Flax's layers), which
-    keeps the activations' scale steady through the layers. Shapes: conv1 (20, 1, 3, 3),
-    conv2 (50, 20, 5, 5), dense (800, 128), dense (128, 10), each followed by its bias:
-    129,068 numbers in all, like ``dpbook.torch.lenet()``.
+    Hidden layers: He initialization (normal, variance 2 / fan_in), which keeps the scale
+    of ReLU activations steady. Output layer and biases: zero, so the first logits are
+    all zero (every class equally likely) and the first steps stay small even with a large
+    learning rate. Shapes: conv1 (20, 1, 3, 3), conv2 (50, 20, 5, 5), dense (800, 128),
+    dense (128, 10), each followed by its bias: 129,068 numbers, like ``dpbook.torch.lenet()``.
     """
     g = torch.Generator().manual_seed(seed)
 
-    def normal(*shape, fan_in):
-        return torch.randn(*shape, generator=g) / fan_in ** 0.5
+    def he(*shape, fan_in):
+        return torch.randn(*shape, generator=g) * (2 / fan_in) ** 0.5
 
-    return [normal(20, 1, 3, 3, fan_in=1 * 3 * 3), torch.zeros(20),
-            normal(50, 20, 5, 5, fan_in=20 * 5 * 5), torch.zeros(50),
-            normal(800, 128, fan_in=800), torch.zeros(128),
-            normal(128, 10, fan_in=128), torch.zeros(10)]
+    return [he(20, 1, 3, 3, fan_in=1 * 3 * 3), torch.zeros(20),
+            he(50, 20, 5, 5, fan_in=20 * 5 * 5), torch.zeros(50),
+            he(800, 128, fan_in=800), torch.zeros(128),
+            torch.zeros(128, 10), torch.zeros(10)]
 
 
 def lenet_forward(X: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -11,8 +11,8 @@ from book import ROOT, toc_files
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    out = tmp_path_factory.mktemp("book")
+def site(book_out):
+    out = book_out
     result = subprocess.run([sys.executable, str(ROOT / "tools/build_book.py"),
                              "--scale", "quick", "-W", "--out", str(out)],
                             capture_output=True, text=True, timeout=1200)
