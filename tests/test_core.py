@@ -42,6 +42,7 @@ def test_scales_grow():
     assert q.num_train < 60000 and c.num_train is None and f.num_train is None
     assert q.num_epochs <= c.num_epochs <= f.num_epochs
     assert q.resnet_width < c.resnet_width < f.resnet_width == 64
+    assert q.resnet_num_train < c.resnet_num_train < 60000 and f.resnet_num_train is None
     assert q.matmul_size < c.matmul_size < f.matmul_size
 
 

@@ -33,17 +33,22 @@ class Scale:
     num_epochs: int            # epochs for LeNet-sized models
     resnet_epochs: int         # epochs for the ResNet-18 variant
     resnet_width: int          # channels of ResNet-18's first stage (64 in the paper)
+    resnet_num_train: int | None   # training examples for the ResNet-18 runs
+    resnet_num_test: int | None    # test examples for the ResNet-18 runs
     matmul_size: int           # n of the n x n matrix products in the devices chapter
     num_repeats: int           # repetitions of each timed measurement
 
 
 SCALES = {
     "quick": Scale("quick", num_train=1024, num_test=512, num_epochs=1,
-                   resnet_epochs=1, resnet_width=4, matmul_size=128, num_repeats=3),
+                   resnet_epochs=1, resnet_width=4, resnet_num_train=512,
+                   resnet_num_test=256, matmul_size=128, num_repeats=3),
     "cpu": Scale("cpu", num_train=None, num_test=None, num_epochs=5,
-                 resnet_epochs=2, resnet_width=16, matmul_size=1024, num_repeats=10),
+                 resnet_epochs=3, resnet_width=8, resnet_num_train=12_000,
+                 resnet_num_test=2_000, matmul_size=1024, num_repeats=10),
     "full": Scale("full", num_train=None, num_test=None, num_epochs=10,
-                  resnet_epochs=10, resnet_width=64, matmul_size=4096, num_repeats=20),
+                  resnet_epochs=10, resnet_width=64, resnet_num_train=None,
+                  resnet_num_test=None, matmul_size=4096, num_repeats=20),
 }
 
 

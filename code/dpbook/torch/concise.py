@@ -1,0 +1,124 @@
+"""Concise data parallelism in PyTorch with ``nn.DataParallel``: the concise chapter's code.
+
+``nn.DataParallel`` does in one wrapper what the from-scratch chapter wrote by hand: on
+every forward pass it *scatters* the minibatch across its GPUs, *replicates* the module
+onto each of them, runs the replicas in parallel threads and *gathers* the outputs on
+the first GPU; backward sums the replicas' gradients into the original parameters.
+
+Without CUDA it does none of this: ``DataParallel.__init__`` sets ``device_ids = []`` and
+``forward`` just calls the module. :func:`data_parallel_info` detects that, so a chapter
+run on a CPU says so instead of pretending.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .. import config
+from ..plot import Animator
+from ..tools import Accumulator
+from .data import load_data_fashion_mnist
+from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
+from .models import resnet18
+from .train import accuracy
+
+__all__ = ["init_resnet18", "data_parallel_info", "evaluate_accuracy_gpus", "train"]
+
+
+def init_resnet18(width: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The initial state of ``resnet18(width=width)`` drawn from ``seed`` (a state dict).
+
+    Every run of the chapter loads this same state, so runs with different device counts
+    or batch sizes start from identical parameters (d2l re-initialises between runs).
+    """
+    torch.manual_seed(seed)
+    return copy.deepcopy(resnet18(width=width).state_dict())
+
+
+def data_parallel_info(net: nn.Module) -> str:
+    """Describe what ``net`` (maybe an ``nn.DataParallel``) really runs on."""
+    if not isinstance(net, nn.DataParallel):
+        return "a plain module: one device"
+    if not net.device_ids:
+        return ("nn.DataParallel with device_ids=[]: no CUDA device, so it calls the module "
+                "once on the whole batch (nothing runs in parallel)")
+    return (f"nn.DataParallel over GPUs {net.device_ids}: scatter the batch, replicate the "
+            f"module, run in parallel, gather outputs on cuda:{net.output_device}")
+
+
+@torch.no_grad()
+def evaluate_accuracy_gpus(net: nn.Module, data_iter, devices: Sequence[torch.device]) -> float:
+    """Accuracy of ``net`` with every test batch split across ``devices``.
+
+    Each device evaluates its shard with its own copy of the module (a real copy on every
+    GPU other than the module's; on a CPU all "devices" share the module). Work is queued
+    on all GPUs before any result is read, so they evaluate side by side.
+    """
+    module = net.module if isinstance(net, nn.DataParallel) else net
+    home = next(module.parameters()).device
+    replicas = [module if d == home else copy.deepcopy(module).to(d) for d in devices]
+    was_training = module.training
+    for replica in replicas:
+        replica.eval()
+    metric = Accumulator(2)      # correct predictions, examples
+    try:
+        for X, y in data_iter:
+            X_shards, y_shards = split_batch(X, y, devices[:len(X)])
+            outputs = [replica(X_shard) for replica, X_shard in zip(replicas, X_shards)]
+            for y_hat, y_shard in zip(outputs, y_shards):   # reading the result syncs
+                metric.add(accuracy(y_hat, y_shard), y_shard.numel())
+    finally:
+        module.train(was_training)
+    return metric[0] / metric[1]
+
+
+def train(num_devices: int, batch_size: int, lr: float,
+          init_state: dict[str, torch.Tensor] | None = None, num_epochs: int | None = None,
+          scale: config.Scale | None = None, root=None, seed: int = 0,
+          animator: Animator | None = None) -> dict:
+    """Train the ResNet-18 variant on Fashion-MNIST with ``nn.DataParallel``.
+
+    The network has ``scale.resnet_width`` channels in its first stage and starts from
+    ``init_state`` (default: :func:`init_resnet18` with ``seed``). It is wrapped in
+    ``nn.DataParallel`` over ``num_devices`` devices; :func:`data_parallel_info` of the
+    wrapper is returned as ``"data_parallel"``. The minibatch is the *global* one:
+    DataParallel splits it across the devices. Each epoch's time covers training only
+    (synchronized); the test accuracy is computed with :func:`evaluate_accuracy_gpus`.
+    """
+    scale = scale or get_scale()
+    num_epochs = num_epochs or scale.resnet_epochs
+    devices = get_devices(num_devices)
+    train_iter, test_iter = load_data_fashion_mnist(
+        batch_size, scale.resnet_num_train, scale.resnet_num_test, root=root, seed=seed)
+    net = resnet18(width=scale.resnet_width)
+    net.load_state_dict(init_state or init_resnet18(scale.resnet_width, seed))
+    net = nn.DataParallel(net.to(devices[0]), device_ids=devices)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    if animator is None:
+        animator = Animator(xlabel="epoch", xlim=[1, num_epochs],
+                            legend=["train loss", "test acc"],
+                            title=f"{num_devices} device(s), batch {batch_size}, lr {lr}")
+    timer = Timer(start=False)
+    for epoch in range(num_epochs):
+        net.train()
+        metric = Accumulator(2)      # summed loss, examples
+        timer.start()
+        for X, y in train_iter:
+            X, y = X.to(devices[0]), y.to(devices[0])
+            loss = F.cross_entropy(net(X), y)     # DataParallel scatters X, gathers outputs
+            optimizer.zero_grad()
+            loss.backward()                       # gradients summed into net.module
+            optimizer.step()
+            metric.add(loss.detach() * len(y), len(y))
+        timer.stop()
+        test_acc = evaluate_accuracy_gpus(net, test_iter, devices)
+        animator.add(epoch + 1, (metric[0] / metric[1], test_acc))
+    return {"num_devices": num_devices, "batch_size": batch_size, "lr": lr,
+            "test_acc": test_acc, "train_loss": metric[0] / metric[1],
+            "sec_per_epoch": timer.avg(), "epoch_times": list(timer.times),
+            "net": net, "animator": animator, "data_parallel": data_parallel_info(net),
+            "hardware": hardware_line(devices)}

@@ -1,0 +1,163 @@
+"""Concise data parallelism in PyTorch: DataParallel (dpbook.torch.concise) and DDP
+(dpbook.torch.ddp, several gloo processes on loopback)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+from dpbook import torch as dp
+from dpbook.torch import concise, ddp
+
+CPU = torch.device("cpu")
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(),
+                             reason="checks what nn.DataParallel does without CUDA")
+
+
+def _is_worker(p: psutil.Process) -> bool:
+    """A live child other than multiprocessing's resource tracker (one per parent process,
+    started with the first spawned child and kept until the parent exits, by design)."""
+    try:
+        return (p.status() != psutil.STATUS_ZOMBIE
+                and not any("resource_tracker" in part for part in p.cmdline()))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def no_children_left(timeout: float = 10) -> bool:
+    """True once this process has no worker processes left (the DDP workers are reaped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in psutil.Process().children(recursive=True) if _is_worker(p)]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@NO_CUDA
+def test_data_parallel_is_a_no_op_on_cpu():
+    """Sentinel: if PyTorch ever makes DataParallel do something on CPUs, the book must change."""
+    torch.manual_seed(0)
+    module = dp.lenet()
+    net = nn.DataParallel(module, device_ids=[CPU, CPU])
+    assert net.device_ids == []
+    X = torch.rand(6, 1, 28, 28)
+    assert torch.equal(net(X), module(X))
+    assert "device_ids=[]" in concise.data_parallel_info(net)
+    assert "plain module" in concise.data_parallel_info(module)
+
+
+def test_init_resnet18_is_reproducible():
+    a, b = concise.init_resnet18(4, seed=3), concise.init_resnet18(4, seed=3)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    c = concise.init_resnet18(4, seed=4)
+    assert not torch.equal(a["0.weight"], c["0.weight"])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_evaluate_accuracy_gpus_equals_one_device(k):
+    torch.manual_seed(0)
+    net = dp.resnet18(width=4)
+    net.train()
+    data = [(torch.rand(10, 1, 28, 28), torch.randint(0, 10, (10,))) for _ in range(3)]
+    acc = concise.evaluate_accuracy_gpus(net, data, [CPU] * k)
+    assert acc == pytest.approx(dp.evaluate_accuracy(net, data, CPU))
+    assert net.training, "the network's mode is restored"
+
+
+def test_train_same_init_same_first_steps(fashion_mnist_dir):
+    scale = dp.get_scale("quick")
+    init = concise.init_resnet18(scale.resnet_width, seed=0)
+    runs = [concise.train(k, 64, 0.1, init_state=init, scale=scale, root=fashion_mnist_dir,
+                          animator=dp.Animator(legend=["train loss", "test acc"], path=False,
+                                               live=False)) for k in (1, 2)]
+    for r in runs:
+        assert len(r["epoch_times"]) == scale.resnet_epochs and 0 <= r["test_acc"] <= 1
+        assert "devices (" in r["hardware"]
+    if not torch.cuda.is_available():   # on a CPU both runs are the same computation
+        assert runs[0]["train_loss"] == pytest.approx(runs[1]["train_loss"], rel=1e-6)
+
+
+# --- DistributedDataParallel: real processes, gloo on loopback -------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nprocs, batch_size", [(2, 64), (3, 48)])
+def test_ddp_step_equals_single_process_step(nprocs, batch_size):
+    diff = ddp.ddp_step_difference(nprocs, "lenet", batch_size=batch_size)
+    assert diff < 1e-6     # DDP averages the same gradients; float32 rounding only
+    assert no_children_left()
+
+
+@pytest.mark.timeout(300)
+def test_ddp_with_batchnorm_normalizes_each_shard():
+    whole = ddp.ddp_step_difference(2, "resnet18", batch_size=32)
+    shards = ddp.ddp_step_difference(2, "resnet18", batch_size=32, shard_reference=True)
+    assert shards < 1e-5 < whole    # local BatchNorm statistics, not the whole batch's
+
+
+@pytest.mark.timeout(300)
+def test_spawn_train_checkpoint_and_resume(fashion_mnist_dir, tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    cfg = ddp.Config(model="lenet", epochs=1, batch_size=64, scale="quick", max_steps=4,
+                     data=str(fashion_mnist_dir), checkpoint=str(ckpt))
+    first = ddp.spawn_train(2, cfg)
+    assert first["world_size"] == 2 and first["backend"] == "gloo"
+    assert [h["epoch"] for h in first["history"]] == [1]
+    saved = torch.load(ckpt)
+    assert saved["epoch"] == 1
+    resumed = ddp.spawn_train(2, ddp.Config(**{**cfg.__dict__, "epochs": 2, "resume": True}))
+    assert [h["epoch"] for h in resumed["history"]] == [2]     # epoch 1 is not redone
+    assert torch.load(ckpt)["epoch"] == 2
+    assert no_children_left()
+
+
+def _sleeper(rank, world_size):
+    time.sleep(60)
+
+
+def _failer(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("worker 1 fails on purpose")
+    time.sleep(60)
+
+
+@pytest.mark.timeout(120)
+def test_launch_times_out_and_reaps():
+    tik = time.monotonic()
+    with pytest.raises(TimeoutError):
+        ddp.launch(_sleeper, 2, timeout=3)
+    assert time.monotonic() - tik < 30
+    assert no_children_left()
+
+
+@pytest.mark.timeout(120)
+def test_launch_reports_a_failing_worker_and_reaps():
+    with pytest.raises(Exception, match="worker 1 fails on purpose"):
+        ddp.launch(_failer, 2, timeout=60)
+    assert no_children_left()
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_command_line(fashion_mnist_dir):
+    env = dict(os.environ, DPBOOK_DATA=str(fashion_mnist_dir), DPBOOK_SCALE="quick")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "dpbook.torch.ddp", "--model", "lenet", "--epochs", "1", "--max-steps", "3",
+           "--batch-size", "64"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rank 0/2] epoch 1:" in result.stdout and "[rank 1/" not in result.stdout
+    assert "hardware | " in result.stdout
+
+
+@NO_CUDA
+@pytest.mark.timeout(120)
+def test_sync_batchnorm_needs_a_gpu():
+    """Sentinel: SyncBatchNorm refuses CPU tensors (the chapter says it is GPU only)."""
+    assert "GPU" in ddp.sync_batchnorm_status(2)
