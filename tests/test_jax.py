@@ -24,6 +24,14 @@ def test_get_devices(monkeypatch):
         dp.get_devices(NUM_JAX_DEVICES + 1)
 
 
+def test_try_gpu_falls_back_to_cpu():
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    assert dp.try_all_gpus() == (gpus or [jax.devices("cpu")[0]])   # never empty
+    assert dp.try_gpu(len(gpus)) == jax.devices("cpu")[0]
+    if gpus:
+        assert dp.try_gpu(0) == gpus[0]
+
+
 def test_split_batch_places_shards():
     X, y = np.arange(20.0).reshape(10, 2), np.arange(10)
     devices = jax.devices()[:4]

@@ -10,11 +10,12 @@ from ..devices import emulate_cpu_devices, split_sizes
 from ..plot import Animator
 from ..tools import Accumulator
 from .data import load_data_fashion_mnist
-from .devices import Timer, get_devices, get_scale, hardware_line, split_batch, synchronize
+from .devices import (Timer, get_devices, get_scale, hardware_line, split_batch, synchronize,
+                      try_all_gpus, try_gpu)
 from .models import LeNet, LeNet5, Residual, ResNet18, num_params
 
 __all__ = ["SCALES", "Scale", "num_devices", "ArrayLoader", "get_fashion_mnist_labels",
            "read_fashion_mnist", "emulate_cpu_devices", "split_sizes", "Animator",
            "Accumulator", "load_data_fashion_mnist", "Timer", "get_devices", "get_scale",
-           "hardware_line", "split_batch", "synchronize", "LeNet", "LeNet5", "Residual",
+           "hardware_line", "split_batch", "synchronize", "try_gpu", "try_all_gpus", "LeNet", "LeNet5", "Residual",
            "ResNet18", "num_params"]

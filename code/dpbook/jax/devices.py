@@ -7,7 +7,22 @@ import jax
 
 from .. import config, devices as _core, tools
 
-__all__ = ["get_devices", "synchronize", "Timer", "get_scale", "hardware_line", "split_batch"]
+__all__ = ["try_gpu", "try_all_gpus", "get_devices", "synchronize", "Timer", "get_scale", "hardware_line", "split_batch"]
+
+
+def _gpus() -> list[jax.Device]:
+    return [d for d in jax.devices() if d.platform == "gpu"]
+
+
+def try_gpu(i: int = 0) -> jax.Device:
+    """GPU ``i`` if it exists, else the first CPU device (d2l's name)."""
+    gpus = _gpus()
+    return gpus[i] if i < len(gpus) else jax.devices("cpu")[0]
+
+
+def try_all_gpus() -> list[jax.Device]:
+    """All GPUs, or ``[first CPU device]`` when there are none (never an empty list)."""
+    return _gpus() or [jax.devices("cpu")[0]]
 
 
 def get_devices(n: int | None = None) -> list[jax.Device]:

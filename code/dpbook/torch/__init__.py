@@ -13,9 +13,11 @@ from .devices import (Timer, get_devices, get_scale, hardware_line, split_batch,
                       try_all_gpus, try_gpu)
 from .models import Residual, lenet, lenet5, num_params, resnet18
 from .train import accuracy, evaluate_accuracy
+from .concise import evaluate_accuracy_gpus
 
 __all__ = ["SCALES", "Scale", "num_devices", "get_fashion_mnist_labels", "read_fashion_mnist",
            "emulate_cpu_devices", "split_sizes", "Animator", "Accumulator",
            "load_data_fashion_mnist", "Timer", "get_devices", "get_scale", "hardware_line",
            "split_batch", "synchronize", "try_all_gpus", "try_gpu", "Residual", "lenet",
-           "lenet5", "num_params", "resnet18", "accuracy", "evaluate_accuracy"]
+           "lenet5", "num_params", "resnet18", "accuracy", "evaluate_accuracy",
+           "evaluate_accuracy_gpus"]

@@ -288,15 +288,15 @@ def _fixed_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def ddp_step_difference(nprocs: int, model: str = "lenet", batch_size: int = 64,
-                        lr: float = 0.1, seed: int = 0, shard_reference: bool = False,
-                        timeout: float = 300) -> float:
-    """Largest parameter difference between one DDP step on ``nprocs`` processes and one
-    ordinary step of a single process.
+                        lr: float = 0.1, seed: int = 0, timeout: float = 300
+                        ) -> dict[str, float]:
+    """Compare one DDP step on ``nprocs`` processes with one step of a single process.
 
-    The single process takes the whole batch at once, or, with ``shard_reference``, runs
-    the ``nprocs`` shards through the network one at a time and averages their losses —
-    which is what DDP computes when the network has BatchNorm (each process normalizes its
-    shard with the shard's own statistics).
+    Returns the largest parameter difference from two single-process references:
+    ``"whole"`` takes the whole batch at once; ``"shards"`` runs the ``nprocs`` shards
+    through the network one at a time and averages their losses. The two agree unless the
+    network has BatchNorm, where DDP computes ``"shards"``: each process normalizes its
+    shard with the shard's own statistics.
     """
     if batch_size % nprocs:
         raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
@@ -304,17 +304,21 @@ def ddp_step_difference(nprocs: int, model: str = "lenet", batch_size: int = 64,
         out = os.path.join(tmp, "params.pt")
         launch(step_worker, nprocs, model, batch_size, lr, seed, out, timeout=timeout)
         ddp_state = torch.load(out)     # parameters; BatchNorm's running stats are buffers
-    net = build_model(Config(model=model, seed=seed, scale="quick"))
     X, y = _fixed_batch(batch_size, seed)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
-    if shard_reference:
-        loss = sum(F.cross_entropy(net(X_shard), y_shard)
-                   for X_shard, y_shard in zip(X.chunk(nprocs), y.chunk(nprocs))) / nprocs
-    else:
-        loss = F.cross_entropy(net(X), y)
-    loss.backward()
-    optimizer.step()
-    return max((ddp_state[name] - p).abs().max().item() for name, p in net.named_parameters())
+    result = {}
+    for reference in ("whole", "shards"):
+        net = build_model(Config(model=model, seed=seed, scale="quick"))
+        optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+        if reference == "whole":
+            loss = F.cross_entropy(net(X), y)
+        else:
+            loss = sum(F.cross_entropy(net(X_shard), y_shard) for X_shard, y_shard
+                       in zip(X.chunk(nprocs), y.chunk(nprocs))) / nprocs
+        loss.backward()
+        optimizer.step()
+        result[reference] = max((ddp_state[name] - p).abs().max().item()
+                                for name, p in net.named_parameters())
+    return result
 
 
 def _syncbn_worker(rank: int, world_size: int, out: str) -> None:
