@@ -109,7 +109,8 @@ def test_emulate_cpu_devices_rejects_bad_counts():
 
 @pytest.mark.parametrize("module, forbidden", [
     ("dpbook", ("torch", "jax")), ("dpbook.torch", ("jax", "flax")),
-    ("dpbook.torch.ddp", ("jax", "flax")), ("dpbook.jax", ("torch",))])
+    ("dpbook.torch.ddp", ("jax", "flax")), ("dpbook.jax", ("torch",)),
+    ("dpbook.jax.concise", ("torch",))])
 def test_import_isolation(module, forbidden):
     code = f"import sys, {module}; print([m for m in {forbidden!r} if m in sys.modules])"
     out = run_python(code)
