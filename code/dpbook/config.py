@@ -44,7 +44,7 @@ SCALES = {
                    resnet_epochs=1, resnet_width=4, resnet_num_train=512,
                    resnet_num_test=256, matmul_size=128, num_repeats=3),
     "cpu": Scale("cpu", num_train=None, num_test=None, num_epochs=5,
-                 resnet_epochs=3, resnet_width=8, resnet_num_train=6_000,
+                 resnet_epochs=4, resnet_width=8, resnet_num_train=12_000,
                  resnet_num_test=2_000, matmul_size=1024, num_repeats=10),
     "full": Scale("full", num_train=None, num_test=None, num_epochs=10,
                   resnet_epochs=10, resnet_width=64, resnet_num_train=None,
