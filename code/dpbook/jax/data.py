@@ -11,13 +11,8 @@ __all__ = ["load_data_fashion_mnist", "to_arrays"]
 
 
 def to_arrays(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 images (N, 28, 28) → float32 (N, 28, 28, 1), standardized; labels → int32.
-
-    Pixels are scaled to [0, 1], then standardized with the training set's
-    :data:`dpbook.data.MEAN` and :data:`dpbook.data.STD`.
-    """
-    X = (X.astype(np.float32) / 255 - np.float32(_data.MEAN)) / np.float32(_data.STD)
-    return X[..., None], y.astype(np.int32)
+    """uint8 images (N, 28, 28) → float32 (N, 28, 28, 1) in [0, 1]; labels → int32."""
+    return (X.astype(np.float32) / 255)[..., None], y.astype(np.int32)
 
 
 def load_data_fashion_mnist(batch_size: int, num_train: int | None = None,

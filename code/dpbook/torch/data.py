@@ -12,13 +12,8 @@ __all__ = ["load_data_fashion_mnist", "to_tensors"]
 
 
 def to_tensors(X, y) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 images (N, 28, 28) → float32 (N, 1, 28, 28), standardized; labels → int64.
-
-    Pixels are scaled to [0, 1], then standardized with the training set's
-    :data:`dpbook.data.MEAN` and :data:`dpbook.data.STD`.
-    """
-    X = torch.from_numpy(X.copy()).float().div_(255).sub_(_data.MEAN).div_(_data.STD)
-    X = X.unsqueeze(1)
+    """uint8 images (N, 28, 28) → float32 (N, 1, 28, 28) in [0, 1]; labels → int64."""
+    X = torch.from_numpy(X.copy()).float().div_(255).unsqueeze(1)
     return X, torch.from_numpy(y.astype("int64"))
 
 
