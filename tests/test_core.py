@@ -208,3 +208,12 @@ def test_hardware_line():
     assert "gpus: none" in line and "devices (2): [cpu, cpu]" in line
     assert "torch 9.9" in line and "scale: quick" in line
     assert "gpus: A100, A100" in dpbook.hardware_line(["cuda:0"], ["A100", "A100"])
+
+
+def test_training_animator_draws_loss_and_accuracy(tmp_path):
+    animator = dpbook.plot.training_animator(3, title="2 device(s)")
+    animator.path = str(tmp_path / "curve.png")
+    animator.add(1, (0.5, 0.8))
+    assert list(animator.series()) == ["train loss", "test acc"]
+    assert animator.config["xlim"] == [1, 3] and animator.config["title"] == "2 device(s)"
+    assert (tmp_path / "curve.png").is_file()

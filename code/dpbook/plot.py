@@ -20,7 +20,7 @@ from typing import Sequence
 
 from matplotlib.figure import Figure
 
-__all__ = ["Animator", "in_notebook"]
+__all__ = ["Animator", "in_notebook", "training_animator"]
 
 _counter = itertools.count(1)
 
@@ -132,3 +132,10 @@ class Animator:
             print(f"Animator: drawing to {path}", file=sys.stderr)
             self._announced = True
         return path
+
+
+def training_animator(num_epochs: int, title: str | None = None) -> Animator:
+    """The learning curve every training loop of the book draws: train loss and test
+    accuracy after each of ``num_epochs`` epochs."""
+    return Animator(xlabel="epoch", xlim=[1, num_epochs], legend=["train loss", "test acc"],
+                    title=title)

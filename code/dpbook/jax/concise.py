@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from .. import config
-from ..plot import Animator
+from ..plot import Animator, training_animator
 from ..tools import Accumulator
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line
@@ -51,7 +51,7 @@ class LeNetBN(nn.Module):
     """``dp.LeNet`` with BatchNorm after both convolutions and the hidden dense layer.
 
     A small model with BatchNorm for the chapter and its tests (ResNet-18 has the same
-    kind of layers, but compiling its init takes most of a minute on a CPU). ``axis_name`` makes
+    kind of layers, but compiles far more slowly on a CPU). ``axis_name`` makes
     BatchNorm compute its statistics over all devices of that axis (synchronized
     BatchNorm); the model then only runs inside ``pmap``/``shard_map``, except in ``init``.
     """
@@ -90,8 +90,7 @@ def create_train_state(model, key: jax.Array, lr: float,
     """Initialize ``model`` from ``key`` and pair it with minibatch SGD (``optax.sgd``).
 
     ``model.init`` is jitted, once per model and input shape: run eagerly, every
-    operation compiles on its own (seconds for LeNet, most of a minute for ResNet-18 on a
-    CPU). The state lives on the default device; the data-parallel methods place it.
+    operation compiles on its own, which is slow on a CPU. The state lives on the default device; the data-parallel methods place it.
     """
     variables = _init_variables(model, key, tuple(input_shape))
     return TrainState.create(apply_fn=model.apply, params=variables["params"],
@@ -367,9 +366,8 @@ def train(num_devices: int, batch_size: int, lr: float, method: str = "pmap",
     dpar = make_data_parallel(method, devices)
     state = dpar.place_state(create_train_state(model, jax.random.key(seed), lr))
     if animator is None:
-        animator = Animator(xlabel="epoch", xlim=[1, num_epochs],
-                            legend=["train loss", "test acc"],
-                            title=f"{method}, {num_devices} device(s), batch {batch_size}, lr {lr}")
+        animator = training_animator(
+            num_epochs, f"{method}, {num_devices} device(s), batch {batch_size}, lr {lr}")
     jax.block_until_ready(dpar.step(state, *dpar.place_batch(*next(iter(train_iter)))))
     timer = Timer(start=False)
     for epoch in range(num_epochs):

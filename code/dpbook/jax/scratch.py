@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import config
-from ..plot import Animator
+from ..plot import Animator, training_animator
 from ..tools import Accumulator
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
@@ -157,9 +157,8 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     init = init_lenet_params(jax.random.key(seed))
     device_params = [get_params(init, d) for d in devices]
     if animator is None:
-        animator = Animator(xlabel="epoch", xlim=[1, num_epochs],
-                            legend=["train loss", "test acc"],
-                            title=f"{num_devices} device(s), batch {batch_size}, lr {lr}")
+        animator = training_animator(
+            num_epochs, f"{num_devices} device(s), batch {batch_size}, lr {lr}")
     # Warm-up: compile for this batch shape outside the timed epochs. The step is
     # functional, so throwing its result away leaves the parameters untouched.
     X, y = next(iter(train_iter))

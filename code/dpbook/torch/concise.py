@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import config
-from ..plot import Animator
+from ..plot import Animator, training_animator
 from ..tools import Accumulator
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
@@ -95,13 +95,12 @@ def train(num_devices: int, batch_size: int, lr: float,
     train_iter, test_iter = load_data_fashion_mnist(
         batch_size, scale.resnet_num_train, scale.resnet_num_test, root=root, seed=seed)
     net = resnet18(width=scale.resnet_width)
-    net.load_state_dict(init_state or init_resnet18(scale.resnet_width, seed))
+    net.load_state_dict(init_resnet18(scale.resnet_width, seed) if init_state is None else init_state)
     net = nn.DataParallel(net.to(devices[0]), device_ids=devices)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     if animator is None:
-        animator = Animator(xlabel="epoch", xlim=[1, num_epochs],
-                            legend=["train loss", "test acc"],
-                            title=f"{num_devices} device(s), batch {batch_size}, lr {lr}")
+        animator = training_animator(
+            num_epochs, f"{num_devices} device(s), batch {batch_size}, lr {lr}")
     timer = Timer(start=False)
     for epoch in range(num_epochs):
         net.train()

@@ -19,7 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from .. import config
-from ..plot import Animator
+from ..plot import Animator, training_animator
 from ..tools import Accumulator
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
@@ -126,9 +126,8 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     init = init_lenet_params(seed)
     device_params = [get_params(init, d) for d in devices]
     if animator is None:
-        animator = Animator(xlabel="epoch", xlim=[1, num_epochs],
-                            legend=["train loss", "test acc"],
-                            title=f"{num_devices} device(s), batch {batch_size}, lr {lr}")
+        animator = training_animator(
+            num_epochs, f"{num_devices} device(s), batch {batch_size}, lr {lr}")
     timer = Timer(start=False)
     for epoch in range(num_epochs):
         metric = Accumulator(2)      # summed loss, examples
