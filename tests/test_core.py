@@ -217,3 +217,13 @@ def test_training_animator_draws_loss_and_accuracy(tmp_path):
     assert list(animator.series()) == ["train loss", "test acc"]
     assert animator.config["xlim"] == [1, 3] and animator.config["title"] == "2 device(s)"
     assert (tmp_path / "curve.png").is_file()
+
+
+def test_cosine_lr_decays_from_lr_to_nearly_zero():
+    lrs = [dpbook.cosine_lr(0.3, step, 100) for step in range(100)]
+    assert lrs[0] == 0.3
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))              # strictly decreasing
+    assert 0 < lrs[-1] < 1e-3 and abs(lrs[50] - 0.15) < 1e-12    # halfway: half of lr
+    for bad in (-1, 100):
+        with pytest.raises(ValueError, match="outside"):
+            dpbook.cosine_lr(0.3, bad, 100)

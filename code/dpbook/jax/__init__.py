@@ -8,7 +8,7 @@ from ..config import SCALES, Scale, num_devices
 from ..data import ArrayLoader, get_fashion_mnist_labels, read_fashion_mnist
 from ..devices import emulate_cpu_devices, split_sizes
 from ..plot import Animator
-from ..tools import Accumulator
+from ..tools import Accumulator, cosine_lr
 from .data import load_data_fashion_mnist
 from .devices import (Timer, get_devices, get_scale, hardware_line, split_batch, synchronize,
                       try_all_gpus, try_gpu)
@@ -16,6 +16,6 @@ from .models import LeNet, LeNet5, Residual, ResNet18, num_params
 
 __all__ = ["SCALES", "Scale", "num_devices", "ArrayLoader", "get_fashion_mnist_labels",
            "read_fashion_mnist", "emulate_cpu_devices", "split_sizes", "Animator",
-           "Accumulator", "load_data_fashion_mnist", "Timer", "get_devices", "get_scale",
+           "Accumulator", "cosine_lr", "load_data_fashion_mnist", "Timer", "get_devices", "get_scale",
            "hardware_line", "split_batch", "synchronize", "try_gpu", "try_all_gpus", "LeNet", "LeNet5", "Residual",
            "ResNet18", "num_params"]

@@ -14,7 +14,7 @@ from jax import lax
 
 from .. import config
 from ..plot import Animator, training_animator
-from ..tools import Accumulator
+from ..tools import Accumulator, cosine_lr
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
 
@@ -146,8 +146,8 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
           animator: Animator | None = None) -> dict:
     """Train LeNet on Fashion-MNIST with :func:`train_batch` on ``num_devices`` devices.
 
-    Like ``dpbook.torch.scratch.train``: same data, epochs, curves and results. One
-    untimed warm-up step compiles the jitted functions first.
+    Like ``dpbook.torch.scratch.train``: same data, epochs, cosine-decayed learning rate,
+    curves and results. One untimed warm-up step compiles the jitted functions first.
     """
     scale = scale or get_scale()
     num_epochs = num_epochs or scale.num_epochs
@@ -163,13 +163,15 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     # functional, so throwing its result away leaves the parameters untouched.
     X, y = next(iter(train_iter))
     jax.block_until_ready(train_batch(X, y, device_params, devices, lr))
-    timer = Timer(start=False)
+    timer, step, num_steps = Timer(start=False), 0, num_epochs * len(train_iter)
     for epoch in range(num_epochs):
         metric = Accumulator(2)      # summed loss, examples
         timer.start()
         for X, y in train_iter:
-            device_params, loss = train_batch(X, y, device_params, devices, lr)
+            step_lr = cosine_lr(lr, step, num_steps)
+            device_params, loss = train_batch(X, y, device_params, devices, step_lr)
             metric.add(loss, len(y))
+            step += 1
         timer.stop(device_params)
         test_acc = evaluate_accuracy(device_params[0], test_iter, devices[0])
         animator.add(epoch + 1, (metric[0] / metric[1], test_acc))

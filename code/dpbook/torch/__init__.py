@@ -7,7 +7,7 @@ from ..config import SCALES, Scale, num_devices
 from ..data import get_fashion_mnist_labels, read_fashion_mnist
 from ..devices import emulate_cpu_devices, split_sizes
 from ..plot import Animator
-from ..tools import Accumulator
+from ..tools import Accumulator, cosine_lr
 from .data import load_data_fashion_mnist
 from .devices import (Timer, get_devices, get_scale, hardware_line, split_batch, synchronize,
                       try_all_gpus, try_gpu)
@@ -16,7 +16,7 @@ from .train import accuracy, evaluate_accuracy
 from .concise import evaluate_accuracy_gpus
 
 __all__ = ["SCALES", "Scale", "num_devices", "get_fashion_mnist_labels", "read_fashion_mnist",
-           "emulate_cpu_devices", "split_sizes", "Animator", "Accumulator",
+           "emulate_cpu_devices", "split_sizes", "Animator", "Accumulator", "cosine_lr",
            "load_data_fashion_mnist", "Timer", "get_devices", "get_scale", "hardware_line",
            "split_batch", "synchronize", "try_all_gpus", "try_gpu", "Residual", "lenet",
            "lenet5", "num_params", "resnet18", "accuracy", "evaluate_accuracy",

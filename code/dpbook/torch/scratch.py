@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from .. import config
 from ..plot import Animator, training_animator
-from ..tools import Accumulator
+from ..tools import Accumulator, cosine_lr
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
 from .train import evaluate_accuracy
@@ -115,6 +115,8 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
 
     The data size and (by default) the epochs come from ``scale``. Parameters start from
     ``init_lenet_params(seed)``, so runs with different device counts are comparable.
+    The learning rate starts at ``lr`` and decays to nearly 0 along a cosine
+    (:func:`dpbook.cosine_lr`), so the last epochs settle instead of jumping around.
     Returns the run's results: test accuracy, seconds per epoch, the curves and the
     hardware line; each epoch's time covers training only (synchronized), not evaluation.
     """
@@ -128,12 +130,14 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     if animator is None:
         animator = training_animator(
             num_epochs, f"{num_devices} device(s), batch {batch_size}, lr {lr}")
-    timer = Timer(start=False)
+    timer, step, num_steps = Timer(start=False), 0, num_epochs * len(train_iter)
     for epoch in range(num_epochs):
         metric = Accumulator(2)      # summed loss, examples
         timer.start()
         for X, y in train_iter:
-            metric.add(train_batch(X, y, device_params, devices, lr), y.numel())
+            step_lr = cosine_lr(lr, step, num_steps)
+            metric.add(train_batch(X, y, device_params, devices, step_lr), y.numel())
+            step += 1
         timer.stop()
         test_acc = evaluate_accuracy(lambda X: lenet_forward(X, device_params[0]),
                                      test_iter, devices[0])
