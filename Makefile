@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dpbook-installed
 PORT   ?= 8000
 
-.PHONY: book test serve env clean
+.PHONY: book test serve env notebooks clean
 
 env: $(STAMP)
 
@@ -22,6 +22,9 @@ $(STAMP): requirements.txt code/pyproject.toml
 
 book: $(STAMP)
 	$(PY) tools/build_book.py
+
+notebooks: $(STAMP)
+	$(PY) tools/notebooks.py
 
 test: $(STAMP)
 	DPBOOK_SCALE=quick $(PY) -m pytest

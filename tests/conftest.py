@@ -74,3 +74,22 @@ def book_out(tmp_path_factory) -> Path:
     execute them a second time.
     """
     return tmp_path_factory.mktemp("book")
+
+
+@pytest.fixture(scope="session")
+def site(book_out) -> Path:
+    """The test build of the site: both editions at the quick scale, warnings as errors.
+
+    ``DPBOOK_TEST_SITE=<folder>`` tests an existing site instead (one built with
+    ``tools/build_book.py --scale quick``), to iterate on the site tests quickly.
+    """
+    import subprocess
+    import sys
+    if os.environ.get("DPBOOK_TEST_SITE"):
+        return Path(os.environ["DPBOOK_TEST_SITE"]).resolve()
+    result = subprocess.run([sys.executable, str(ROOT / "tools/build_book.py"),
+                             "--scale", "quick", "-W", "--out", str(book_out)],
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, (result.stdout[-4000:] + result.stderr[-4000:])
+    assert f"open {book_out / 'site' / 'index.html'}" in result.stdout
+    return book_out / "site"

@@ -1,24 +1,25 @@
-"""Both editions build with warnings as errors, into one site."""
+"""Both editions build with warnings as errors, into one site; the site's own features
+(language switch, Colab and download links, provenance, glossary, API reference) work,
+and every internal link and image resolves. tests/test_browser.py looks at it in Chromium.
+"""
 from __future__ import annotations
 
+import html
 import json
-import subprocess
+import re
 import sys
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
-import pytest
+import yaml
 
-from book import ROOT, toc_files
+from book import ROOT, is_notebook, source, toc_files
 
+sys.path.insert(0, str(ROOT / "tools"))
+import notebooks  # noqa: E402  (tools/notebooks.py)
 
-@pytest.fixture(scope="module")
-def site(book_out):
-    out = book_out
-    result = subprocess.run([sys.executable, str(ROOT / "tools/build_book.py"),
-                             "--scale", "quick", "-W", "--out", str(out)],
-                            capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, (result.stdout[-4000:] + result.stderr[-4000:])
-    assert f"open {out / 'site' / 'index.html'}" in result.stdout
-    return out / "site"
+PREFIX = {"en": "", "zh": "zh/"}
 
 
 def test_site_has_both_editions(site):
@@ -42,3 +43,99 @@ def test_executed_outputs_are_on_the_site(site):
     page = (site / "chapters/en/devices/pytorch.html").read_text(encoding="utf8")
     assert "hardware | " in page and "scale: quick" in page
     assert list((site / "_images").glob("*.svg")), "the Animator's figures are missing"
+
+
+class _Links(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        for name in ("href", "src"):
+            if tag in ("a", "img", "link", "script") and attrs.get(name):
+                self.links.append(attrs[name])
+
+
+def test_every_internal_link_and_image_resolves(site):
+    pages = sorted(p for p in site.rglob("*.html")       # _static/ holds theme templates
+                   if "_static" not in p.relative_to(site).parts)
+    assert len(pages) > 20
+    broken = []
+    for page in pages:
+        parser = _Links()
+        parser.feed(page.read_text(encoding="utf8"))
+        for link in parser.links:
+            url = urlsplit(link)
+            if url.scheme or url.netloc or link.startswith(("#", "mailto:", "data:")):
+                continue
+            target = (page.parent / unquote(url.path)).resolve()
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.exists():
+                broken.append(f"{page.relative_to(site)} -> {link}")
+    assert not broken, "broken links:\n" + "\n".join(broken[:30])
+
+
+def _page(site: Path, lang: str, entry: str) -> str:
+    return (site / f"{PREFIX[lang]}{entry}.html").read_text(encoding="utf8")
+
+
+def test_every_page_links_to_the_same_page_in_the_other_edition(site):
+    for lang, other in (("en", "zh"), ("zh", "en")):
+        for entry in toc_files(lang):
+            page = site / f"{PREFIX[lang]}{entry}.html"
+            m = re.search(r'class="dpbook-lang-switch" href="([^"]+)"', page.read_text("utf8"))
+            assert m, f"{entry}: no language switch"
+            target = (page.parent / m[1]).resolve()
+            expected = site / f"{PREFIX[other]}{entry.replace(f'/{lang}/', f'/{other}/')}.html"
+            assert target == expected.resolve(), (entry, m[1])
+
+
+def test_notebook_pages_offer_colab_download_and_provenance(site):
+    for lang in ("en", "zh"):
+        for entry in toc_files(lang):
+            text = _page(site, lang, entry)
+            if not is_notebook(source(entry)):
+                assert "dpbook-colab" not in text and "dpbook-provenance" not in text
+                continue
+            colab = re.search(r'class="dpbook-colab" href="([^"]+)"', text)[1]
+            assert colab == notebooks.colab_url(entry, lang)
+            assert colab.endswith(f"/blob/main/notebooks/{entry.split('/', 1)[1]}.ipynb")
+            link = re.search(r'class="dpbook-download" href="([^"]+)"', text)[1]
+            page = site / f"{PREFIX[lang]}{entry}.html"
+            downloaded = (page.parent / link).resolve()
+            assert downloaded.read_text(encoding="utf8") == \
+                notebooks.notebook_path(entry).read_text(encoding="utf8")
+            box = re.search(r'<div class="dpbook-provenance">(.*?)</div>', text, re.S)[1]
+            printed = {html.unescape(m) for m in re.findall(r"hardware \| ([^<\n]*)",
+                                                            text.replace(box, ""))}
+            assert printed, f"{entry}: the notebook printed no hardware line"
+            for line in printed:          # every hardware line of the page is in the box
+                assert html.escape(line.strip()) in box, (entry, line)
+            assert "<b>quick</b>" in box
+
+
+def test_glossary_page_lists_every_term_in_both_editions(site):
+    terms = yaml.safe_load((ROOT / "glossary.yml").read_text(encoding="utf8"))
+    for lang in ("en", "zh"):
+        text = html.unescape(_page(site, lang, f"chapters/{lang}/appendix/glossary"))
+        text = text.replace("\u2019", "'")          # the theme's typographic apostrophes
+        for t in terms:
+            for word in (t["en"], t["zh"], t["def_" + lang]):
+                assert word in text, (lang, word)
+
+
+def test_api_reference_documents_the_public_api(site):
+    import dpbook
+    for lang in ("en", "zh"):
+        text = _page(site, lang, f"chapters/{lang}/appendix/api")
+        for name in ("dpbook.config.get_scale", "dpbook.tools.Timer", "dpbook.plot.Animator",
+                     "dpbook.torch.scratch.allreduce", "dpbook.torch.scratch.train_batch",
+                     "dpbook.torch.ddp.launch", "dpbook.jax.scratch.allreduce",
+                     "dpbook.jax.concise.make_data_parallel"):
+            assert f'id="{name}"' in text, (lang, name)
+        for name in dpbook.__all__:       # everything the core exports, once per edition
+            obj = getattr(dpbook, name)
+            if callable(obj) and hasattr(obj, "__module__") and obj.__module__.startswith("dpbook"):
+                assert text.count(f'id="{obj.__module__}.{obj.__qualname__}"') == 1, name

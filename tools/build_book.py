@@ -52,6 +52,9 @@ def build_edition(lang: str, scale: str, out: Path, warnings_as_errors: bool) ->
         if old != cache:
             shutil.rmtree(old, ignore_errors=True)
     config["execute"]["cache"] = str(cache)
+    # The config is written elsewhere, and jupyter-book resolves paths from the config file.
+    config["sphinx"]["local_extensions"] = {
+        name: str(ROOT / path) for name, path in config["sphinx"]["local_extensions"].items()}
     config_path = out / "config" / f"_config.{lang}.yml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(config, allow_unicode=True), encoding="utf8")

@@ -1,7 +1,7 @@
 """Train on Fashion-MNIST with DistributedDataParallel: one process per device.
 
 Run it with ``torchrun`` (the launcher PyTorch recommends), or let it start its own
-processes; ``--batch-size`` is the *global* minibatch, split evenly across the processes:
+processes; ``--batch-size`` is the *global* minibatch, split evenly across the processes::
 
     # 2 processes on this machine: gloo on CPUs, nccl with one GPU per process
     torchrun --standalone --nproc_per_node=2 -m dpbook.torch.ddp --epochs 2 --batch-size 256

@@ -1,0 +1,93 @@
+"""The generated .ipynb files (tools/notebooks.py): up to date, self-contained, and
+runnable top to bottom in a fresh kernel with an install cell that does no harm."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from book import ROOT, code_cells, notebooks as book_notebooks
+
+sys.path.insert(0, str(ROOT / "tools"))
+import notebooks  # noqa: E402  (tools/notebooks.py)
+
+
+def test_committed_notebooks_are_generated_from_the_sources():
+    assert notebooks.main(["--check"]) == 0, "run: python tools/notebooks.py"
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_one_notebook_per_myst_notebook(lang):
+    generated = sorted(p.relative_to(notebooks.OUT / lang).with_suffix("").as_posix()
+                       for p in (notebooks.OUT / lang).rglob("*.ipynb"))
+    sources = sorted(p.relative_to(ROOT / "chapters" / lang).with_suffix("").as_posix()
+                     for p in book_notebooks(lang))
+    assert generated == sources
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_notebooks_are_self_contained(lang):
+    for path in sorted((notebooks.OUT / lang).rglob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+        leftovers = re.findall(r"\{(?:literalinclude|ref|numref|figure|doc)\}", text)
+        assert not leftovers, (path, leftovers)
+        assert "../../../" not in text, path
+        # The same code cells as the source, after the install cell.
+        source = ROOT / "chapters" / path.relative_to(notebooks.OUT).with_suffix(".md")
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert code[0].metadata["tags"] == ["dpbook-install"]
+        assert [c.source for c in code[1:]] == \
+            [c.source for c in __import__("jupytext").read(source).cells if c.cell_type == "code"]
+        assert all(not c.outputs for c in code)
+    scratch = (notebooks.OUT / lang / "from-scratch" / "pytorch.ipynb").read_text("utf8")
+    assert "def allreduce(data" in scratch      # literalinclude became the code itself
+    assert "raw.githubusercontent.com/dpbook/dpbook/main/figures/data-parallel-step.svg" in scratch
+
+
+def test_install_cell_installs_only_dpbook():
+    nb = nbformat.read(notebooks.OUT / "en" / "from-scratch" / "jax.ipynb", as_version=4)
+    install = next(c for c in nb.cells if c.cell_type == "code").source
+    url = notebooks.repository()[0]
+    assert f'"dpbook @ git+{url}@main#subdirectory=code"' in install
+    assert 'find_spec("dpbook") is None' in install          # nothing happens when installed
+    project = tomllib.loads((ROOT / "code" / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=!~ \[;]", d)[0].lower() for d in project["dependencies"]]
+    assert not {"torch", "jax", "jaxlib", "flax", "optax"} & set(names), names
+
+
+def _pip_freeze() -> str:
+    return subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.timeout(300)
+def test_generated_notebook_runs_in_a_fresh_kernel(tmp_path):
+    """Downloaded into an empty folder and run top to bottom, as a reader would."""
+    path = tmp_path / "pytorch.ipynb"
+    path.write_text((notebooks.OUT / "zh" / "devices" / "pytorch.ipynb").read_text("utf8"),
+                    encoding="utf8")
+    nb = nbformat.read(path, as_version=4)
+    before = _pip_freeze()
+    env_scale = os.environ.get("DPBOOK_SCALE")
+    os.environ["DPBOOK_SCALE"] = "quick"
+    try:
+        NotebookClient(nb, timeout=240, kernel_name="python3",
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        if env_scale is None:
+            os.environ.pop("DPBOOK_SCALE")
+        else:
+            os.environ["DPBOOK_SCALE"] = env_scale
+    install = nb.cells[[c.cell_type for c in nb.cells].index("code")]
+    assert install.outputs == [], install.outputs        # dpbook is here: it did nothing
+    assert _pip_freeze() == before                       # and no package changed
+    printed = json.dumps([c.get("outputs") for c in nb.cells], ensure_ascii=False)
+    assert "hardware | " in printed and "scale: quick" in printed

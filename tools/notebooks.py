@@ -1,0 +1,232 @@
+"""Turn the book's MyST notebooks into ``.ipynb`` files readers can run anywhere.
+
+    python tools/notebooks.py            # (re)write notebooks/<lang>/<slug>/<name>.ipynb
+    python tools/notebooks.py --check    # exit 1 if a committed notebook is out of date
+
+The ``.ipynb`` files are *generated* — never edit them by hand. Colab opens them from the
+repository (``notebooks/`` on the configured branch); the site offers the same files for
+download. Each one differs from its MyST source in three ways, so it runs top to bottom
+outside the book:
+
+* a first code cell installs ``dpbook`` when it is missing (from the repository URL in
+  ``_config.yml``); ``dpbook`` does not depend on torch or jax, so pip never touches them;
+* ``literalinclude`` directives become the code they show (read from ``code/``);
+* figures point at the repository's raw files, and ``{ref}`` roles become the title of
+  the section they name.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+
+import jupytext
+import nbformat
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "notebooks"
+EDITIONS = {"en": ("_config.yml", "_toc.yml"), "zh": ("_config.zh.yml", "_toc.zh.yml")}
+
+INSTALL_COMMENT = {
+    "en": ("# Install the book's helper package `dpbook` if it is missing (on Colab, for example).\n"
+           "# It does not depend on torch or jax, so pip leaves the installed ones alone."),
+    "zh": ("# 如果缺少本书的辅助包 `dpbook`（例如在Colab上），先安装它。\n"
+           "# `dpbook` 不依赖torch和jax，所以pip不会改动已经安装的版本。"),
+}
+INSTALL_CODE = """\
+import importlib.util, subprocess, sys
+
+if importlib.util.find_spec("dpbook") is None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
+                    "dpbook @ {url}"], check=True)"""
+
+
+def config(lang: str) -> dict:
+    return yaml.safe_load((ROOT / EDITIONS[lang][0]).read_text(encoding="utf8"))
+
+
+def repository(lang: str = "en") -> tuple[str, str]:
+    """The repository URL and branch from ``_config.yml``."""
+    repo = config(lang)["repository"]
+    return repo["url"].rstrip("/"), repo.get("branch", "main")
+
+
+def install_url(lang: str = "en") -> str:
+    url, branch = repository(lang)
+    return f"git+{url}@{branch}#subdirectory=code"
+
+
+def raw_url(path: str, lang: str = "en") -> str:
+    """The raw-file URL of ``path`` (relative to the repository root) on GitHub."""
+    url, branch = repository(lang)
+    return url.replace("https://github.com/", "https://raw.githubusercontent.com/") + \
+        f"/{branch}/{path}"
+
+
+def colab_url(entry: str, lang: str) -> str:
+    """Colab's URL for the generated notebook of toc entry ``entry``."""
+    url, branch = repository(lang)
+    return url.replace("https://github.com/", "https://colab.research.google.com/github/") + \
+        f"/blob/{branch}/{notebook_path(entry).relative_to(ROOT).as_posix()}"
+
+
+def toc_entries(lang: str) -> list[str]:
+    """Every file of an edition's toc, in reading order (paths without suffix)."""
+    toc = yaml.safe_load((ROOT / EDITIONS[lang][1]).read_text(encoding="utf8"))
+    entries = [toc["root"]]
+
+    def walk(items):
+        for item in items or []:
+            if "file" in item:
+                entries.append(item["file"])
+            walk(item.get("sections"))
+            walk(item.get("chapters"))
+
+    walk(toc.get("chapters"))
+    for part in toc.get("parts") or []:
+        walk(part.get("chapters"))
+    return entries
+
+
+def is_notebook(path: Path) -> bool:
+    head = path.read_text(encoding="utf8")[:400]
+    return head.startswith("---") and "jupytext:" in head
+
+
+def notebook_entries(lang: str) -> list[str]:
+    return [e for e in toc_entries(lang) if is_notebook(ROOT / f"{e}.md")]
+
+
+def notebook_path(entry: str) -> Path:
+    """``chapters/en/from-scratch/pytorch`` → ``notebooks/en/from-scratch/pytorch.ipynb``."""
+    parts = Path(entry).parts
+    assert parts[0] == "chapters", entry
+    return OUT.joinpath(*parts[1:]).with_suffix(".ipynb")
+
+
+def pyobject_source(path: Path, name: str) -> str:
+    """The source of the top-level function or class ``name`` in ``path``."""
+    text = path.read_text(encoding="utf8")
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
+                and node.name == name:
+            lines = text.splitlines()
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
+            return "\n".join(lines[start:node.end_lineno])
+    raise LookupError(f"{name} is not defined at the top level of {path}")
+
+
+FENCE = re.compile(r"^(?P<fence>```+|:::+)\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n"
+                   r"(?P<body>.*?)^(?P=fence)\s*$", re.M | re.S)
+ROLE = re.compile(r"\{(?:ref|numref)\}`(?P<label>[^`<]+?)`")
+LABEL = re.compile(r"^\((?P<label>[\w-]+)\)=\s*\n(?:#+\s*(?P<title>.+))?", re.M)
+FIG_NAME = re.compile(r"^:name:\s*(\S+)", re.M)
+
+
+def label_titles(lang: str) -> dict[str, str]:
+    """Every ``(label)=`` of an edition → the heading (or figure caption) it names."""
+    titles = {}
+    for entry in toc_entries(lang):
+        text = (ROOT / f"{entry}.md").read_text(encoding="utf8")
+        for m in LABEL.finditer(text):
+            if m["title"]:
+                titles[m["label"]] = m["title"].strip()
+        for m in FENCE.finditer(text):
+            if m["name"] == "figure" and (name := FIG_NAME.search(m["body"])):
+                titles[name[1]] = {"en": "the figure", "zh": "图"}[lang]
+    return titles
+
+
+def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str]) -> str:
+    """A markdown cell's MyST, rewritten for plain Jupyter (see the module docstring)."""
+    def directive(m: re.Match) -> str:
+        name, arg, body = m["name"], m["arg"].strip(), m["body"]
+        options = dict(re.findall(r"^:([\w-]+):\s*(.*)$", body, re.M))
+        content = "\n".join(l for l in body.splitlines() if not re.match(r"^:[\w-]+:", l)).strip()
+        target = (source.parent / arg).resolve() if arg else None
+        if name == "literalinclude":
+            code = (pyobject_source(target, options["pyobject"]) if "pyobject" in options
+                    else target.read_text(encoding="utf8").rstrip())
+            rel = target.relative_to(ROOT).as_posix()
+            return f"```python\n# {rel}\n{code}\n```"
+        if name == "figure":
+            rel = target.relative_to(ROOT).as_posix()
+            return f"![{rel}]({raw_url(rel, lang)})\n\n*{content}*"
+        return m[0]
+
+    text = FENCE.sub(directive, text)
+    text = ROLE.sub(lambda m: f"*{titles.get(m['label'], m['label'])}*", text)
+    return re.sub(r"^\([\w-]+\)=[ \t]*\n", "", text, flags=re.M)   # drop (label)= lines
+
+
+def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:
+    """The runnable ``.ipynb`` of toc entry ``entry`` (a MyST notebook), without outputs."""
+    source = ROOT / f"{entry}.md"
+    nb = jupytext.read(source)
+    titles = label_titles(lang)
+    cells = []
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = convert_markdown(cell.source, source, lang, titles)
+        cell.metadata = {k: v for k, v in cell.metadata.items() if k == "tags"}
+        cells.append(cell)
+    install = nbformat.v4.new_code_cell(
+        INSTALL_COMMENT[lang] + "\n" + INSTALL_CODE.format(url=install_url(lang)),
+        metadata={"tags": ["dpbook-install"]})
+    first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
+    cells.insert(first_code, install)
+    out = nbformat.v4.new_notebook(cells=cells, metadata={
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"},
+        "dpbook": {"generated_from": f"{entry}.md",
+                   "note": "generated by tools/notebooks.py; edit the .md source instead"},
+        "colab": {"provenance": []},
+    })
+    for i, cell in enumerate(out.cells):     # stable ids: regenerating changes nothing
+        cell["id"] = f"cell-{i}"
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nbformat.validate(out)
+    return out
+
+
+def render(nb: nbformat.NotebookNode) -> str:
+    return json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+
+
+def generate() -> dict[Path, str]:
+    """Every generated notebook: path → file text."""
+    return {notebook_path(entry): render(to_ipynb(entry, lang))
+            for lang in EDITIONS for entry in notebook_entries(lang)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="only report notebooks that are missing or out of date")
+    args = parser.parse_args(argv)
+    files = generate()
+    stale = [p for p, text in files.items()
+             if not p.is_file() or p.read_text(encoding="utf8") != text]
+    extra = [p for p in OUT.rglob("*.ipynb") if p not in files] if OUT.is_dir() else []
+    if args.check:
+        for p in stale + extra:
+            print(f"out of date: {p.relative_to(ROOT)}")
+        if stale or extra:
+            print("run: python tools/notebooks.py")
+        return 1 if stale or extra else 0
+    for p in extra:
+        p.unlink()
+    for p in stale:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(files[p], encoding="utf8")
+        print(f"wrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
