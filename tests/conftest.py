@@ -33,6 +33,9 @@ def _num_gpus() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tests of the built site run last: test_notebooks fills the execution cache the
+    # site build then reuses (see `book_out`), whatever the file names.
+    items.sort(key=lambda item: "site" in getattr(item, "fixturenames", ()))
     num_gpus = None
     for item in items:
         if "slow" in item.keywords and not config.getoption("--run-slow"):
@@ -70,8 +73,8 @@ def book_out(tmp_path_factory) -> Path:
     """The build folder of the test build of the book (tools/build_book.py --out).
 
     tests/test_notebooks.py stores the notebooks it executes in this folder's
-    jupyter-cache, so that the book build (tests/test_site.py, which runs later) does not
-    execute them a second time.
+    jupyter-cache, so that the book build (the ``site`` fixture; its tests are sorted
+    last) does not execute them a second time.
     """
     return tmp_path_factory.mktemp("book")
 

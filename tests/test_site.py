@@ -1,6 +1,6 @@
 """Both editions build with warnings as errors, into one site; the site's own features
 (language switch, Colab and download links, provenance, glossary, API reference) work,
-and every internal link and image resolves. tests/test_browser.py looks at it in Chromium.
+and every internal link and image resolves. tests/test_site_browser.py looks at it in Chromium.
 """
 from __future__ import annotations
 
