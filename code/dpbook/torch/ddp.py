@@ -25,12 +25,12 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,12 +42,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from .. import data as _data
+from ..launch import free_port
 from .data import to_tensors
 from .devices import get_scale, hardware_line
 from .models import lenet, resnet18
 from .train import accuracy
 
 __all__ = ["Config", "free_port", "launch", "init_process", "train_worker", "spawn_train",
+           "torchrun_command", "max_difference", "rank_from_env",
            "build_model", "step_worker", "ddp_step_difference", "sync_batchnorm_status"]
 
 
@@ -69,13 +71,8 @@ class Config:
     checkpoint: str | None = None     # rank 0 saves here after every epoch
     resume: bool = False              # start from `checkpoint` if it exists
     out: str | None = None            # rank 0 writes the results here (JSON)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    crash_rank: int | None = None     # for the failure demo: this rank kills itself …
+    crash_epoch: int | None = None    # … at the start of this epoch, in the first attempt
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300) -> None:
@@ -124,9 +121,28 @@ def init_process(rank: int, world_size: int, local_rank: int | None = None,
     else:
         device = torch.device("cpu")
     backend = dist.get_default_backend_for_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
+    timeout = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                            store=_attempt_store(rank, world_size, timeout))
     return device
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """Under torchrun, the rendezvous store with keys private to this restart attempt.
+
+    After ``torchrun --max-restarts`` restarts a group, the store can still hold the
+    addresses the dead group published, and the new group's gloo may connect to them
+    ("Connection refused"). A key prefix per attempt keeps the rounds apart. ``None``
+    (the default ``env://`` rendezvous) outside torchrun.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"   # torchrun hosts it
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          world_size, is_master=not agent and rank == 0, timeout=timeout,
+                          multi_tenant=not agent)
+    return dist.PrefixStore(f"dpbook/attempt-{attempt}", store)
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -210,6 +226,10 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
              f"{world_size} x {per_process}")
         history = []
         for epoch in range(start_epoch, epochs):
+            if (rank == cfg.crash_rank and epoch + 1 == cfg.crash_epoch
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                print(f"[rank {rank}] killing myself at epoch {epoch + 1}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)   # as if the machine had died
             sampler.set_epoch(epoch)              # a new shuffle, the same on every process
             totals = torch.zeros(2, device=device)  # summed loss, examples
             dist.barrier()
@@ -251,6 +271,47 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
                 "config": dataclasses.asdict(cfg)}, indent=1))
     finally:
         dist.destroy_process_group()
+
+
+def torchrun_command(script_args: Sequence[str], nproc_per_node: int = 1, nnodes: int = 1,
+                     node_rank: int = 0, endpoint: str | None = None,
+                     max_restarts: int = 0, is_host: bool | None = None,
+                     run_id: str = "dpbook", rdzv: str = "c10d") -> list[str]:
+    """The ``torchrun`` command line that runs ``python -m dpbook.torch.ddp *script_args``.
+
+    With ``nnodes=1`` and no ``endpoint`` it is ``--standalone``. Otherwise every node
+    runs the same command with the same c10d rendezvous ``endpoint`` (``host:port`` of one
+    of the nodes). The c10d rendezvous numbers the nodes in the order they arrive, so
+    ``node_rank`` is only passed for the static one (``rdzv="static"``: ``--node-rank``
+    with ``--master-addr``/``--master-port``, no restarts across nodes). ``is_host`` says
+    which node serves the c10d rendezvous; on real machines torchrun works it out from the
+    host name, but "nodes" that share one machine must be told.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+           f"--max-restarts={max_restarts}"]
+    if nnodes == 1 and endpoint is None:
+        cmd.append("--standalone")
+    elif rdzv == "static":
+        host, port = endpoint.rsplit(":", 1)
+        cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={host}",
+                f"--master-port={port}"]
+    elif rdzv == "c10d":
+        cmd += [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                f"--rdzv-id={run_id}"]
+        if is_host is not None:
+            cmd.append(f"--rdzv-conf=is_host={str(is_host).lower()}")
+    else:
+        raise ValueError(f"rdzv must be 'c10d' or 'static', not {rdzv!r}")
+    return cmd + ["-m", "dpbook.torch.ddp", *script_args]
+
+
+def max_difference(checkpoint_a: str | os.PathLike, checkpoint_b: str | os.PathLike) -> float:
+    """The largest absolute difference between the model parameters of two checkpoints."""
+    a = torch.load(checkpoint_a, map_location="cpu")["model"]
+    b = torch.load(checkpoint_b, map_location="cpu")["model"]
+    if a.keys() != b.keys():
+        raise ValueError("the checkpoints hold different models")
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
 def spawn_train(nprocs: int, cfg: Config, timeout: float = 1800) -> dict:
@@ -345,6 +406,27 @@ def sync_batchnorm_status(nprocs: int = 2, timeout: float = 120) -> str:
         return Path(out).read_text()
 
 
+#: Where launchers put (rank, world size, local rank): torchrun, Open MPI's mpirun, SLURM.
+LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+                      ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                       "OMPI_COMM_WORLD_LOCAL_RANK"),
+                      ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+
+
+def rank_from_env(environ: dict[str, str] | None = None) -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` from the launcher's variables, or ``None``.
+
+    torchrun sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``);
+    ``mpirun`` and ``srun`` set their own names — then ``MASTER_ADDR`` and ``MASTER_PORT``
+    must be exported by the job script. The first launcher found wins.
+    """
+    env = os.environ if environ is None else environ
+    for rank, size, local in LAUNCHER_VARIABLES:
+        if rank in env and size in env:
+            return int(env[rank]), int(env[size]), int(env.get(local, 0))
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """The command line: see the module docstring."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
@@ -362,9 +444,10 @@ def main(argv: list[str] | None = None) -> None:
     args = vars(parser.parse_args(argv))
     nprocs = args.pop("nprocs")
     cfg = Config(**args)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:     # started by torchrun
-        train_worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg,
-                     int(os.environ.get("LOCAL_RANK", 0)))
+    placement = rank_from_env()
+    if placement is not None:                  # started by torchrun, srun or mpirun
+        rank, world_size, local_rank = placement
+        train_worker(rank, world_size, cfg, local_rank)
     else:
         spawn_train(nprocs or 1, cfg)
 
