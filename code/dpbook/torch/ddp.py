@@ -9,9 +9,12 @@ processes; ``--batch-size`` is the *global* minibatch, split evenly across the p
     # the same without torchrun (torch.multiprocessing.spawn)
     python -m dpbook.torch.ddp --nprocs 2 --epochs 2 --batch-size 256
 
-    # two machines with 4 GPUs each: run on both, with --node_rank=0 and --node_rank=1
-    torchrun --nnodes=2 --node_rank=0 --nproc_per_node=4 \\
+    # two machines with 4 GPUs each: the same command on both
+    torchrun --nnodes=2 --nproc_per_node=4 \\
         --rdzv-backend=c10d --rdzv-endpoint=host0:29400 -m dpbook.torch.ddp
+
+    # or let SLURM / Open MPI start one process per GPU (see rank_from_env)
+    MASTER_ADDR=host0 MASTER_PORT=29500 srun --ntasks-per-node=4 python -m dpbook.torch.ddp
 
 Every process builds the same model from the same seed, reads its own part of every
 epoch through ``DistributedSampler`` (reshuffled by ``set_epoch``), and DDP averages the
