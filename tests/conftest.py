@@ -2,6 +2,7 @@
 
 * JAX gets 8 emulated CPU devices: the flag is set here, before any test imports jax.
 * Tests run at ``DPBOOK_SCALE=quick`` unless the environment says otherwise.
+* One JAX compilation cache serves the session (``JAX_COMPILATION_CACHE_DIR``).
 * Markers ``gpu``, ``multigpu`` and ``slow`` skip with a reason naming what is missing.
 """
 from __future__ import annotations
@@ -18,6 +19,19 @@ NUM_JAX_DEVICES = 8
 dpbook.emulate_cpu_devices(NUM_JAX_DEVICES)
 os.environ.setdefault("DPBOOK_SCALE", "quick")
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+# One JAX compilation cache for the whole session, inherited by every notebook kernel and
+# subprocess: the Chinese notebooks run the same JAX code as the English ones, and reuse
+# its compiled programs (a JAX notebook then runs in about half the time).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+    _jax_cache = tempfile.mkdtemp(prefix="dpbook-jax-cache-")
+    atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=_jax_cache,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 
 def pytest_addoption(parser):
