@@ -3,43 +3,21 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 import tokenize
 from pathlib import Path
 
 import jupytext
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-TOCS = {"en": ROOT / "_toc.yml", "zh": ROOT / "_toc.zh.yml"}
 
-
-def toc_files(lang: str) -> list[str]:
-    """Every file of an edition's toc, in reading order (paths without suffix)."""
-    toc = yaml.safe_load(TOCS[lang].read_text(encoding="utf8"))
-    files = [toc["root"]]
-
-    def walk(entries):
-        for entry in entries or []:
-            if "file" in entry:
-                files.append(entry["file"])
-            walk(entry.get("sections"))
-            walk(entry.get("chapters"))
-            for part in entry.get("parts", []) or []:
-                walk(part.get("chapters"))
-
-    walk(toc.get("chapters"))
-    for part in toc.get("parts", []) or []:
-        walk(part.get("chapters"))
-    return files
+# The book's tools already read the tocs (tools/notebooks.py); the tests use the same code.
+sys.path.insert(0, str(ROOT / "tools"))
+from notebooks import is_notebook, toc_entries as toc_files  # noqa: E402
 
 
 def source(entry: str) -> Path:
     return ROOT / f"{entry}.md"
-
-
-def is_notebook(path: Path) -> bool:
-    head = path.read_text(encoding="utf8")[:400]
-    return head.startswith("---") and "jupytext:" in head
 
 
 def notebooks(lang: str) -> list[Path]:

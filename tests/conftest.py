@@ -110,3 +110,29 @@ def site(book_out) -> Path:
     assert result.returncode == 0, (result.stdout[-4000:] + result.stderr[-4000:])
     assert f"open {book_out / 'site' / 'index.html'}" in result.stdout
     return book_out / "site"
+
+
+def live_children(exclude: set[int] = frozenset()) -> list:
+    """This process's live descendants, except the PIDs in ``exclude`` and multiprocessing's
+    resource tracker (one per parent process, kept until the parent exits, by design)."""
+    import psutil
+    alive = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if (p.pid not in exclude and p.status() != psutil.STATUS_ZOMBIE
+                    and not any("resource_tracker" in part for part in p.cmdline())):
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def no_children_left(timeout: float = 10, exclude: set[int] = frozenset()) -> bool:
+    """True once no process started by this one (outside ``exclude``) is alive."""
+    import time
+    deadline = time.monotonic() + timeout
+    while live_children(exclude):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True

@@ -7,38 +7,17 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 import torch
 from torch import nn
 
+from conftest import no_children_left
 from dpbook import torch as dp
 from dpbook.torch import concise, ddp
 
 CPU = torch.device("cpu")
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(),
                              reason="checks what nn.DataParallel does without CUDA")
-
-
-def _is_worker(p: psutil.Process) -> bool:
-    """A live child other than multiprocessing's resource tracker (one per parent process,
-    started with the first spawned child and kept until the parent exits, by design)."""
-    try:
-        return (p.status() != psutil.STATUS_ZOMBIE
-                and not any("resource_tracker" in part for part in p.cmdline()))
-    except psutil.NoSuchProcess:
-        return False
-
-
-def no_children_left(timeout: float = 10) -> bool:
-    """True once this process has no worker processes left (the DDP workers are reaped)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in psutil.Process().children(recursive=True) if _is_worker(p)]
-        if not alive:
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @NO_CUDA

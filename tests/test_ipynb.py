@@ -16,8 +16,7 @@ from nbclient import NotebookClient
 
 from book import ROOT, notebooks as book_notebooks
 
-sys.path.insert(0, str(ROOT / "tools"))
-import notebooks  # noqa: E402  (tools/notebooks.py)
+import notebooks  # noqa: E402  (tools/notebooks.py, on sys.path through book.py)
 
 
 def test_committed_notebooks_are_generated_from_the_sources():

@@ -11,6 +11,7 @@ import time
 import psutil
 import pytest
 
+from conftest import live_children, no_children_left
 from dpbook import launch
 from dpbook.torch import ddp
 
@@ -20,14 +21,9 @@ LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
 @pytest.fixture
 def no_leftovers():
     """Fails the test if a process started during it is still alive afterwards."""
-    me = psutil.Process()
-    before = {p.pid for p in me.children(recursive=True)}
+    before = {p.pid for p in live_children()}
     yield
-    time.sleep(0.2)
-    left = [p for p in me.children(recursive=True)
-            if p.pid not in before and p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-            and "resource_tracker" not in " ".join(p.cmdline())]
-    assert not left, [p.cmdline() for p in left]
+    assert no_children_left(exclude=before), [p.cmdline() for p in live_children(before)]
 
 
 def _sessions_alive(results) -> list[int]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import html
 import json
 import re
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -16,8 +15,7 @@ import yaml
 
 from book import ROOT, is_notebook, source, toc_files
 
-sys.path.insert(0, str(ROOT / "tools"))
-import notebooks  # noqa: E402  (tools/notebooks.py)
+import notebooks  # noqa: E402  (tools/notebooks.py, on sys.path through book.py)
 
 PREFIX = {"en": "", "zh": "zh/"}
 

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-EDITIONS = {"en": ("_config.yml", "_toc.yml"), "zh": ("_config.zh.yml", "_toc.zh.yml")}
+from notebooks import EDITIONS, ROOT   # tools/notebooks.py: (config, toc) per edition
 
 
 def code_hash() -> str:

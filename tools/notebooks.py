@@ -85,6 +85,8 @@ def toc_entries(lang: str) -> list[str]:
                 entries.append(item["file"])
             walk(item.get("sections"))
             walk(item.get("chapters"))
+            for part in item.get("parts") or []:
+                walk(part.get("chapters"))
 
     walk(toc.get("chapters"))
     for part in toc.get("parts") or []:

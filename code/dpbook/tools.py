@@ -81,9 +81,9 @@ def cosine_lr(lr: float, step: int, num_steps: int) -> float:
     """The learning rate for ``step`` (0, 1, …) of ``num_steps``: ``lr`` decayed along
     half a cosine, from ``lr`` at step 0 to nearly 0 at the last step.
 
-    With a constant learning rate the last steps keep jumping around the minimum, and the
-    final test accuracy changes by a point or more from one epoch (or one run) to the
-    next; decaying it lets the last epochs settle.
+    With a constant learning rate the last steps keep jumping around the minimum, so the
+    final accuracy depends on where the last step happened to land; decaying the rate
+    lets the last epochs settle.
     """
     if not 0 <= step < num_steps:
         raise ValueError(f"step {step} is outside 0 … {num_steps - 1}")
