@@ -83,16 +83,31 @@ def hardware_line(devices: Iterable[object], accelerators: Sequence[str] = (),
     return "hardware | " + " | ".join(parts)
 
 
-def split_sizes(n: int, k: int) -> list[int]:
-    """Sizes of ``k`` parts of ``n`` examples, as equal as possible (first parts larger).
+def split_sizes(n: int, k: int, weights: Sequence[float] | None = None) -> list[int]:
+    """Sizes of ``k`` parts of ``n`` examples: as equal as possible, or in proportion to
+    ``weights`` (MXNet's ``work_load_list``).
 
-    ``split_sizes(10, 4) == [3, 3, 2, 2]``. Raises ``ValueError`` when ``n < k``, which
-    would leave a device with nothing to do.
+    ``split_sizes(10, 4) == [3, 3, 2, 2]`` (first parts larger);
+    ``split_sizes(128, 2, weights=[3, 1]) == [96, 32]``. Every part gets at least one
+    example, and the sizes always add up to ``n`` (largest remainders get the rest).
+    Raises ``ValueError`` when ``n < k``, which would leave a device with nothing to do,
+    or for weights that are not ``k`` positive numbers.
     """
     if k < 1:
         raise ValueError(f"need at least one device, got {k}")
     if n < k:
         raise ValueError(f"cannot split a batch of {n} example(s) across {k} devices: "
                          f"every device needs at least one; use a batch of at least {k}")
-    q, r = divmod(n, k)
-    return [q + 1] * r + [q] * (k - r)
+    if weights is None:
+        q, r = divmod(n, k)
+        return [q + 1] * r + [q] * (k - r)
+    weights = [float(w) for w in weights]
+    if len(weights) != k or not all(w > 0 and w < float("inf") for w in weights):
+        raise ValueError(f"need {k} positive, finite weights (one per device), got {weights}")
+    # one example each, then the remaining n - k in proportion to the weights
+    shares = [(n - k) * w / sum(weights) for w in weights]
+    sizes = [1 + int(s) for s in shares]
+    by_remainder = sorted(range(k), key=lambda i: shares[i] - int(shares[i]), reverse=True)
+    for i in by_remainder[:n - sum(sizes)]:
+        sizes[i] += 1
+    return sizes

@@ -51,9 +51,9 @@ from .devices import get_scale, hardware_line
 from .models import lenet, resnet18
 from .train import accuracy
 
-__all__ = ["Config", "free_port", "launch", "init_process", "train_worker", "spawn_train",
+__all__ = ["Config", "free_port", "launch", "run", "init_process", "train_worker", "spawn_train",
            "torchrun_command", "max_difference", "rank_from_env",
-           "build_model", "step_worker", "ddp_step_difference", "sync_batchnorm_status"]
+           "register_comm_hook", "build_model", "step_worker", "ddp_step_difference", "sync_batchnorm_status"]
 
 
 @dataclasses.dataclass
@@ -76,6 +76,8 @@ class Config:
     out: str | None = None            # rank 0 writes the results here (JSON)
     crash_rank: int | None = None     # for the failure demo: this rank kills itself …
     crash_epoch: int | None = None    # … at the start of this epoch, in the first attempt
+    comm_hook: str | None = None      # compress the gradients: "fp16" or "2bit"
+    threshold: float = 0.01           # the 2-bit threshold (compression.two_bit_hook)
 
 
 def launch(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300) -> None:
@@ -223,11 +225,12 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
             start_epoch = state["epoch"]
             _log(rank, world_size, f"resumed from {cfg.checkpoint} after epoch {start_epoch}")
         net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
+        count_bytes = register_comm_hook(net, cfg.comm_hook, cfg.threshold)
         hardware = hardware_line([device] * world_size)    # one device per process
         _log(rank, world_size, f"backend {dist.get_backend()}, {world_size} process(es), "
              f"{threads} thread(s) each, global batch {cfg.batch_size} = "
              f"{world_size} x {per_process}")
-        history = []
+        history, steps_taken = [], 0
         for epoch in range(start_epoch, epochs):
             if (rank == cfg.crash_rank and epoch + 1 == cfg.crash_epoch
                     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
@@ -240,6 +243,7 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
             for step, (X, y) in enumerate(train_iter):
                 if cfg.max_steps is not None and step >= cfg.max_steps:
                     break
+                steps_taken += 1
                 X, y = X.to(device), y.to(device)
                 loss = F.cross_entropy(net(X), y)
                 optimizer.zero_grad()
@@ -257,7 +261,8 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
             test_acc = _evaluate(net.module, test, rank, world_size, device, per_process)
             record = {"epoch": epoch + 1, "train_loss": (totals[0] / totals[1]).item(),
                       "test_acc": test_acc, "seconds": seconds,
-                      "examples_per_sec": totals[1].item() / seconds}
+                      "examples_per_sec": totals[1].item() / seconds,
+                      "bytes_sent": count_bytes(steps_taken)}
             history.append(record)
             _log(rank, world_size, f"epoch {epoch + 1}: loss {record['train_loss']:.3f}, "
                  f"test acc {test_acc:.3f}, {seconds:.1f} s, "
@@ -274,6 +279,28 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
                 "config": dataclasses.asdict(cfg)}, indent=1))
     finally:
         dist.destroy_process_group()
+
+
+def register_comm_hook(net: DDP, kind: str | None, threshold: float = 0.01
+                       ) -> Callable[[int], int]:
+    """Make DDP send ``kind`` of gradients: ``None`` (float32, DDP's own allreduce),
+    ``"fp16"`` (PyTorch's ``fp16_compress_hook``) or ``"2bit"``
+    (:func:`dpbook.torch.compression.two_bit_hook`). Returns a function of the number of
+    steps taken that tells how many bytes of gradients this process has handed to the
+    collectives in them."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from .compression import TwoBitState, payload_bytes, two_bit_hook
+    if kind not in (None, "fp16", "2bit"):
+        raise ValueError(f"unknown comm_hook {kind!r}: choose 'fp16' or '2bit' (or None)")
+    numel = sum(p.numel() for p in net.parameters() if p.requires_grad)
+    if kind is None:
+        return lambda steps: steps * payload_bytes(numel, "none")
+    if kind == "fp16":
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return lambda steps: steps * payload_bytes(numel, "fp16")
+    state = TwoBitState(threshold)                      # "2bit"
+    net.register_comm_hook(state, two_bit_hook)
+    return lambda steps: state.bytes_sent               # counted by the hook itself
 
 
 def torchrun_command(script_args: Sequence[str], nproc_per_node: int = 1, nnodes: int = 1,
@@ -323,6 +350,15 @@ def spawn_train(nprocs: int, cfg: Config, timeout: float = 1800) -> dict:
         cfg = dataclasses.replace(cfg, out=cfg.out or os.path.join(tmp, "results.json"))
         launch(train_worker, nprocs, cfg, timeout=timeout)
         return json.loads(Path(cfg.out).read_text())
+
+
+def run(worker: Callable[..., None], nprocs: int, *args: Any, timeout: float = 300) -> Any:
+    """Start ``worker(rank, nprocs, *args, out)`` in ``nprocs`` processes (:func:`launch`)
+    and return what rank 0 wrote to the file ``out`` (JSON)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        launch(worker, nprocs, *args, out, timeout=timeout)
+        return json.loads(Path(out).read_text())
 
 
 def step_worker(rank: int, world_size: int, model: str, batch_size: int, lr: float,

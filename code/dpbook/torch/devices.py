@@ -73,17 +73,20 @@ def hardware_line(devices: Sequence[torch.device] | None = None) -> str:
                                get_scale().name)
 
 
-def split_batch(X: torch.Tensor, y: torch.Tensor, devices: Sequence[torch.device]
+def split_batch(X: torch.Tensor, y: torch.Tensor, devices: Sequence[torch.device],
+                weights: Sequence[float] | None = None
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Split a minibatch along its first axis into one shard per device.
 
     Shards are as equal as possible (:func:`dpbook.split_sizes`: 10 examples on 4 devices
-    → 3, 3, 2, 2); a batch smaller than the number of devices is refused with a
-    ``ValueError``. Returns ``(X_shards, y_shards)``, shard ``i`` on ``devices[i]``.
+    → 3, 3, 2, 2), or in proportion to ``weights`` (say, each device's measured
+    examples per second: ``weights=[3, 1]`` gives the first device three quarters); a
+    batch smaller than the number of devices is refused with a ``ValueError``. Returns
+    ``(X_shards, y_shards)``, shard ``i`` on ``devices[i]``.
     """
     if len(X) != len(y):
         raise ValueError(f"X has {len(X)} examples and y has {len(y)}")
-    sizes = _core.split_sizes(len(X), len(devices))
+    sizes = _core.split_sizes(len(X), len(devices), weights)
     X_shards = [x.to(d) for x, d in zip(torch.split(X, sizes), devices)]
     y_shards = [t.to(d) for t, d in zip(torch.split(y, sizes), devices)]
     return X_shards, y_shards

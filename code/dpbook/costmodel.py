@@ -1,0 +1,125 @@
+"""The α–β (latency–bandwidth) cost model of communication. Framework-free.
+
+Sending one message of ``n`` bytes costs ``α + n β``: a fixed latency α (seconds: software,
+handshakes, the first byte's trip) plus β seconds per byte (1 / bandwidth). An allreduce
+algorithm sends messages in rounds; if a round's messages travel on different links at
+the same time, the round costs what one message costs. So an algorithm's time is
+``L α + B n β``, with ``L`` rounds and ``B n`` bytes in sequence on the busiest link
+(:func:`coefficients`). Computing the sums is left out: on GPUs and on a CPU alike it is
+much faster than moving the bytes.
+
+That assumes *separate* links that work in parallel, like the NVLinks between GPUs. When
+every message goes through one shared medium — processes on one machine, copying through
+the same cores and memory — what counts is the total of bytes sent by everybody
+(``links="shared"``), and that is ``2 (N - 1) n`` for all three algorithms.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+import numpy as np
+
+__all__ = ["ALGORITHMS", "coefficients", "predict", "relative_error", "fit", "bus_bandwidth",
+           "transfer_seconds", "LINKS"]
+
+ALGORITHMS = ("naive", "ring", "tree")
+
+
+def coefficients(algorithm: str, world_size: int, links: str = "separate"
+                 ) -> tuple[float, float]:
+    """``(L, B)`` of ``algorithm`` on ``world_size`` processes: time = L α + B n β.
+
+    * naive: rank 0 receives N - 1 messages of n bytes one after the other, then sends
+      N - 1: L = B = 2 (N - 1).
+    * ring: 2 (N - 1) rounds, every link carries n / N bytes per round: L = 2 (N - 1),
+      B = 2 (N - 1) / N, which tends to 2 — the time hardly grows with N.
+    * tree (binomial): ⌈log₂ N⌉ rounds up, as many down, n bytes each: L = B = 2 ⌈log₂ N⌉.
+
+    With ``links="shared"``, B counts the bytes *all* processes send: 2 (N - 1) for every
+    algorithm (each of the N - 1 non-root contributions travels once up and the sum once
+    down, or, in the ring, N processes send 2 (N - 1) / N n each).
+    """
+    if world_size < 1:
+        raise ValueError(f"need at least one process, got {world_size}")
+    if links not in ("separate", "shared"):
+        raise ValueError(f"links must be 'separate' or 'shared', not {links!r}")
+    n = world_size
+    if algorithm == "naive":
+        L, B = 2.0 * (n - 1), 2.0 * (n - 1)
+    elif algorithm == "ring":
+        L, B = 2.0 * (n - 1), 2.0 * (n - 1) / n
+    elif algorithm == "tree":
+        depth = math.ceil(math.log2(n))
+        L, B = 2.0 * depth, 2.0 * depth
+    else:
+        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of "
+                         f"{', '.join(ALGORITHMS)}")
+    return (L, 2.0 * (n - 1)) if links == "shared" else (L, B)
+
+
+def predict(algorithm: str, nbytes: float, world_size: int, alpha: float, beta: float,
+            links: str = "separate") -> float:
+    """Seconds for one allreduce of ``nbytes`` by ``algorithm``, per the α–β model."""
+    L, B = coefficients(algorithm, world_size, links)
+    return L * alpha + B * nbytes * beta
+
+
+def relative_error(measurements: Iterable[Mapping], alpha: float, beta: float,
+                   links: str = "separate") -> float:
+    """The root-mean-square relative error of the model on ``measurements``."""
+    errors = [(predict(m["algorithm"], m["bytes"], m["processes"], alpha, beta, links)
+               - m["seconds"]) / m["seconds"] for m in measurements]
+    return float(np.sqrt(np.mean(np.square(errors))))
+
+
+def fit(measurements: Iterable[Mapping], links: str = "separate") -> tuple[float, float]:
+    """α (seconds) and β (seconds per byte) that best explain ``measurements``.
+
+    Each measurement is a mapping with ``algorithm``, ``processes``, ``bytes`` and
+    ``seconds`` (what :func:`dpbook.torch.allreduce.benchmark` returns). Least squares on
+    the *relative* error, so that the 1 KB and the 64 MB messages count alike, and
+    neither value may be negative.
+    """
+    rows, targets = [], []
+    for m in measurements:
+        L, B = coefficients(m["algorithm"], m["processes"], links)
+        rows.append([L / m["seconds"], B * m["bytes"] / m["seconds"]])
+        targets.append(1.0)
+    if len(rows) < 2:
+        raise ValueError("need at least two measurements to fit α and β")
+    A, t = np.array(rows), np.array(targets)
+    alpha, beta = np.linalg.lstsq(A, t, rcond=None)[0]
+    if alpha < 0:       # the latency is lost in the noise: fit the bandwidth alone
+        alpha, beta = 0.0, float(A[:, 1] @ t / (A[:, 1] @ A[:, 1]))
+    elif beta < 0:
+        alpha, beta = float(A[:, 0] @ t / (A[:, 0] @ A[:, 0])), 0.0
+    return float(alpha), float(beta)
+
+
+def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:
+    """Bytes per second each link carried (NCCL's "bus bandwidth"): ``n / t · 2 (N-1) / N``.
+
+    It compares allreduce implementations and process counts on one scale: a ring
+    that keeps every link busy reaches the link's bandwidth whatever N is.
+    """
+    return nbytes / seconds * 2 * (world_size - 1) / world_size
+
+
+#: Bandwidths (bytes/s, one direction) of common links, from the vendors' data sheets —
+#: peak numbers; real transfers reach roughly 70–90 % of them.
+LINKS = {
+    "PCIe 3.0 x16": 15.75e9,
+    "PCIe 4.0 x16": 31.5e9,
+    "NVLink (V100, 6 links)": 150e9,
+    "NVLink (H100, 18 links)": 450e9,
+    "Ethernet 10 Gbit/s": 1.25e9,
+    "Ethernet 100 Gbit/s": 12.5e9,
+}
+
+
+def transfer_seconds(nbytes: float, bandwidth: float, latency: float = 0.0) -> float:
+    """``latency + nbytes / bandwidth``: one message over one link."""
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth must be positive, got {bandwidth}")
+    return latency + nbytes / bandwidth
