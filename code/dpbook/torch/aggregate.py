@@ -3,11 +3,11 @@
 Each function takes one gradient tensor per device and leaves the sum in every one of
 them, in place (like :func:`dpbook.torch.scratch.allreduce`):
 
-``sum_on_host``     copy every gradient to the host (CPU) memory, add there, copy back
-                    (KVStore ``local``): the CPU and its PCIe link carry everything
-``sum_on_device``   add everything into device 0, copy back (KVStore ``device``):
-                    the GPUs' links and device 0's adders carry everything
-``ring_on_devices`` the ring allreduce, each device adding 1/k of the gradient
+* ``sum_on_host``: copy every gradient to the host (CPU) memory, add there, copy back
+  (KVStore ``local``); the CPU and its PCIe link carry everything.
+* ``sum_on_device``: add everything into device 0, copy back (KVStore ``device``); the
+  GPUs' links and device 0's adders carry everything.
+* ``ring_on_devices``: the ring allreduce, each device adding 1/k of the gradient.
 
 On a CPU-only machine the "devices" are all the same memory, so only the number of bytes
 copied and added differs between them; the chapter turns that into predictions for real
