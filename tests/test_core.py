@@ -138,6 +138,9 @@ def test_timer_measures_and_syncs():
     assert len(timer.times) == 2
     assert timer.sum() == pytest.approx(sum(timer.times))
     assert timer.avg() == pytest.approx(timer.sum() / 2)
+    assert timer.median() == pytest.approx(timer.avg())   # the median of two is their mean
+    timer.times = [1.0, 100.0, 2.0]
+    assert timer.median() == 2.0                            # an outlier does not move it
     assert timer.cumsum()[-1] == pytest.approx(timer.sum())
 
 

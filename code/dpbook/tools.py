@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from typing import Any, Callable
 
@@ -45,6 +46,10 @@ class Timer:
     def avg(self) -> float:
         """The average recorded time."""
         return sum(self.times) / len(self.times)
+
+    def median(self) -> float:
+        """The median recorded time: what a benchmark reports, robust to a slow outlier."""
+        return statistics.median(self.times)
 
     def sum(self) -> float:
         """The sum of the recorded times."""

@@ -16,6 +16,7 @@ takes exactly the step one device would take on the whole minibatch.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -24,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..devices import split_sizes
 from .ddp import init_process, run
@@ -49,14 +51,12 @@ def weighted_step(net: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, batch_
         time.sleep((slowdown - 1) * compute)
         compute *= slowdown
     tik = time.perf_counter()
-    grads = torch.cat([p.grad.view(-1) for p in net.parameters()])
+    grads = parameters_to_vector(p.grad for p in net.parameters())
     dist.all_reduce(grads)                  # the sum over shards: the whole batch's gradient
     wait = time.perf_counter() - tik
     with torch.no_grad():
-        offset = 0
-        for p in net.parameters():
-            p -= lr * grads[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        vector_to_parameters(parameters_to_vector(net.parameters()) - lr * grads,
+                             net.parameters())
     return compute, wait
 
 
@@ -76,11 +76,9 @@ def split_worker(rank: int, world_size: int, slowdowns: Sequence[float], batch_s
             torch.manual_seed(0)
             net = lenet()                    # the same start for both runs
             sizes = split_sizes(batch_size, world_size, weights)
-            start = sum(sizes[:rank])
-            X_shard, y_shard = X[start:start + sizes[rank]], y[start:start + sizes[rank]]
-            weighted_step(net, X_shard, y_shard, batch_size, lr, slowdowns[rank])  # warm-up
-            torch.manual_seed(0)
-            net = lenet()
+            X_shard, y_shard = X.split(sizes)[rank], y.split(sizes)[rank]
+            weighted_step(copy.deepcopy(net), X_shard, y_shard, batch_size, lr,
+                          slowdowns[rank])   # warm-up, on a copy: the run starts from net
             computes, waits, steps_s = [], [], []
             for _ in range(steps):
                 dist.barrier()
