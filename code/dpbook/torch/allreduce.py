@@ -18,12 +18,15 @@ ring                  2 (N - 1)                   n / N
 tree                  2 ⌈log₂ N⌉                  n
 ====================  ==========================  =====================
 
-(:mod:`dpbook.costmodel` has the formulas.) :func:`check` and :func:`benchmark` start the
+(:mod:`dpbook.costmodel` has the formulas.) The ring sends a chunk larger than 2 MB in
+segments, so that adding one segment overlaps receiving the next; the segments of one
+step are in flight together, so they count as one message above. :func:`check` and :func:`benchmark` start the
 processes and check or time the algorithms; ``python -m dpbook.torch.allreduce --nprocs 4`` does the same.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -70,28 +73,62 @@ def naive_allreduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@functools.lru_cache(maxsize=8)
+def _receive_buffers(numel: int, dtype: torch.dtype,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two receive buffers of ``numel`` elements, kept from call to call (as gloo and NCCL
+    keep theirs): fresh memory on every call would cost page faults each time."""
+    return torch.empty(numel, dtype=dtype, device=device), torch.empty(numel, dtype=dtype,
+                                                                       device=device)
+
+
+def _send_and_add(send: torch.Tensor, dst: int, mine: torch.Tensor, src: int,
+                  segment: int) -> None:
+    """Send ``send`` to ``dst`` and add what ``src`` sends into ``mine``, segment by segment.
+
+    Both sides cut their chunk into segments of ``segment`` elements (the same cuts, since
+    the chunks have the same length). All sends go out at once; each receive is posted
+    one segment ahead, into the other half of a double buffer, so adding one segment
+    overlaps the arrival of the next (pipelining).
+    """
+    sends = [dist.isend(piece, dst) for piece in send.split(segment) if piece.numel()]
+    targets = [piece for piece in mine.split(segment) if piece.numel()]
+    buffers = _receive_buffers(min(segment, mine.numel()), mine.dtype, mine.device)
+
+    def receive(i):
+        return dist.irecv(buffers[i % 2][:targets[i].numel()], src)
+
+    pending = receive(0) if targets else None
+    for i, target in enumerate(targets):
+        arriving = receive(i + 1) if i + 1 < len(targets) else None
+        pending.wait()
+        target += buffers[i % 2][:target.numel()]
+        pending = arriving
+    for request in sends:
+        request.wait()
+
+
 @torch.no_grad()
-def ring_allreduce(x: torch.Tensor) -> torch.Tensor:
+def ring_allreduce(x: torch.Tensor, segment_bytes: int = 2**21) -> torch.Tensor:
     """Reduce-scatter, then all-gather, each in N - 1 steps around the ring 0 → 1 → … → 0.
 
     ``x`` is cut into N chunks (sizes differ by at most one element). In every step each
     process sends one chunk to its right neighbour and receives one from its left, so all
-    N links are busy at once and each carries only n / N bytes per step.
+    N links are busy at once and each carries only n / N bytes per step. A chunk larger
+    than ``segment_bytes`` travels in segments, so that adding overlaps receiving.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return x
     chunks = torch.tensor_split(x, world_size)            # views into x
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    buffer = torch.empty_like(chunks[0])                  # the largest chunk
+    segment = max(1, segment_bytes // x.element_size())
     # Reduce-scatter: in step s, send chunk (rank - s) and add the received chunk
     # (rank - s - 1) into ours. Afterwards chunk (rank + 1) holds the sum over all ranks.
     for step in range(world_size - 1):
         send = chunks[(rank - step) % world_size]
         mine = chunks[(rank - step - 1) % world_size]
-        received = buffer[:mine.numel()]
-        _exchange(send, right, received, left)
-        mine += received
+        _send_and_add(send, right, mine, left, segment)
     # All-gather: pass the finished chunks around; each received chunk overwrites ours.
     for step in range(world_size - 1):
         send = chunks[(rank + 1 - step) % world_size]
@@ -180,8 +217,10 @@ def bench_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequen
                  repeats: int, out: str) -> None:
     """Time every algorithm at every size (bytes of float32); rank 0 writes the results.
 
-    One warm-up call, then ``repeats`` timed calls, each started together (barrier) and
-    timed by the slowest rank; the median over the repeats is kept.
+    One warm-up call of each algorithm, then ``repeats`` rounds in which every algorithm
+    runs once in turn (so a slow moment of the machine hits all of them, not just the one
+    that happened to be running). Each call is started together (barrier) and timed by
+    the slowest rank; the median over the rounds is kept.
     """
     init_process(rank, world_size)
     try:
@@ -189,19 +228,19 @@ def bench_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequen
         results = []
         for nbytes in sizes:
             x = torch.ones(nbytes // 4)
+            times: dict[str, list[float]] = {name: [] for name in names}
             for name in names:
-                fn = ALGORITHMS[name]
-                fn(x)                                     # warm-up (connections, caches)
-                times = []
-                for _ in range(repeats):
+                ALGORITHMS[name](x)                       # warm-up (connections, caches)
+            for _ in range(repeats):
+                for name in names:
                     dist.barrier()
                     tik = time.perf_counter()
-                    fn(x)
+                    ALGORITHMS[name](x)
                     took = torch.tensor([time.perf_counter() - tik], dtype=torch.float64)
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                    times.append(took.item())
-                results.append({"algorithm": name, "processes": world_size,
-                                "bytes": nbytes, "seconds": statistics.median(times)})
+                    times[name].append(took.item())
+            results += [{"algorithm": name, "processes": world_size, "bytes": nbytes,
+                         "seconds": statistics.median(times[name])} for name in names]
         if rank == 0:
             Path(out).write_text(json.dumps(
                 {"results": results, "hardware": hardware_line([torch.device("cpu")] *
