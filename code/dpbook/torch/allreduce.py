@@ -20,8 +20,10 @@ tree                  2 ⌈log₂ N⌉                  n
 
 (:mod:`dpbook.costmodel` has the formulas.) The ring sends a chunk larger than 2 MB in
 segments, so that adding one segment overlaps receiving the next; the segments of one
-step are in flight together, so they count as one message above. :func:`check` and :func:`benchmark` start the
-processes and check or time the algorithms; ``python -m dpbook.torch.allreduce --nprocs 4`` does the same.
+step are in flight together, so they count as one message above.
+
+:func:`check` and :func:`benchmark` start the processes and check or time the
+algorithms; ``python -m dpbook.torch.allreduce --nprocs 4`` does the same.
 """
 from __future__ import annotations
 
