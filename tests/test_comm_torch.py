@@ -2,10 +2,12 @@
 aggregate, 2-bit compression with error feedback, weighted splits."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dpbook import costmodel
 from dpbook.torch import aggregate, allreduce, compression, ddp
@@ -19,8 +21,7 @@ from conftest import no_children_left
 @pytest.mark.parametrize("nprocs", [2, 3, 4])
 def test_every_allreduce_equals_the_true_sum(nprocs):
     # integer-valued data: every order of summation is exact, so 0.0 means "equal";
-    # 4,000,003 elements (16 MB) send the ring's chunks in 2-4 segments of 2 MB, the last
-    # one shorter, so both receive buffers are reused
+    # sizes up to 16 MB, after smaller ones, so the ring's kept receive buffers are reused
     errors = allreduce.check(nprocs, sizes=(1, 3, 7, 1001, 4099, 4_000_003), timeout=150)
     assert errors == {name: 0.0 for name in allreduce.ALGORITHMS}
     assert no_children_left()
@@ -40,6 +41,18 @@ def test_hand_written_ring_keeps_up_with_gloo_at_16_mb():
     print(f"ring / all_reduce bus bandwidth at 16 MB, 2 processes: {ratio:.2f}")
     assert ratio >= 0.8, t
     assert no_children_left()
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_times_functions_of_our_own():
+    maximum = functools.partial(dist.all_reduce, op=dist.ReduceOp.MAX)
+    bench = allreduce.benchmark(2, [2**20], repeats=1, timeout=100,
+                                algorithms={"ring": allreduce.ring_allreduce, "max": maximum})
+    assert [r["algorithm"] for r in bench["results"]] == ["ring", "max"]
+    assert all(r["seconds"] > 0 and r["bytes"] == 2**20 for r in bench["results"])
+    assert no_children_left()
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        allreduce.benchmark(2, [2**20], names=["ring", "butterfly"])
 
 
 # ---------------------------------------------------------------- cost model

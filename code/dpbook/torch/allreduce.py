@@ -18,12 +18,9 @@ ring                  2 (N - 1)                   n / N
 tree                  2 ⌈log₂ N⌉                  n
 ====================  ==========================  =====================
 
-(:mod:`dpbook.costmodel` has the formulas.) The ring sends a chunk larger than 2 MB in
-segments, so that adding one segment overlaps receiving the next; the segments of one
-step are in flight together, so they count as one message above.
-
-:func:`check` and :func:`benchmark` start the processes and check or time the
-algorithms; ``python -m dpbook.torch.allreduce --nprocs 4`` does the same.
+(:mod:`dpbook.costmodel` has the formulas.) :func:`check` and :func:`benchmark` start the
+processes and check or time the algorithms; ``python -m dpbook.torch.allreduce --nprocs 4``
+does the same.
 """
 from __future__ import annotations
 
@@ -75,62 +72,35 @@ def naive_allreduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-@functools.lru_cache(maxsize=8)
-def _receive_buffers(numel: int, dtype: torch.dtype,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two receive buffers of ``numel`` elements, kept from call to call (as gloo and NCCL
-    keep theirs): fresh memory on every call would cost page faults each time."""
-    return torch.empty(numel, dtype=dtype, device=device), torch.empty(numel, dtype=dtype,
-                                                                       device=device)
-
-
-def _send_and_add(send: torch.Tensor, dst: int, mine: torch.Tensor, src: int,
-                  segment: int) -> None:
-    """Send ``send`` to ``dst`` and add what ``src`` sends into ``mine``, segment by segment.
-
-    Both sides cut their chunk into segments of ``segment`` elements (the same cuts, since
-    the chunks have the same length). All sends go out at once; each receive is posted
-    one segment ahead, into the other half of a double buffer, so adding one segment
-    overlaps the arrival of the next (pipelining).
-    """
-    sends = [dist.isend(piece, dst) for piece in send.split(segment) if piece.numel()]
-    targets = [piece for piece in mine.split(segment) if piece.numel()]
-    buffers = _receive_buffers(min(segment, mine.numel()), mine.dtype, mine.device)
-
-    def receive(i):
-        return dist.irecv(buffers[i % 2][:targets[i].numel()], src)
-
-    pending = receive(0) if targets else None
-    for i, target in enumerate(targets):
-        arriving = receive(i + 1) if i + 1 < len(targets) else None
-        pending.wait()
-        target += buffers[i % 2][:target.numel()]
-        pending = arriving
-    for request in sends:
-        request.wait()
+@functools.lru_cache(maxsize=4)
+def _receive_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A receive buffer of ``numel`` elements, kept from call to call (as gloo and NCCL
+    keep theirs): fresh memory on every call would cost page faults every time."""
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 @torch.no_grad()
-def ring_allreduce(x: torch.Tensor, segment_bytes: int = 2**21) -> torch.Tensor:
+def ring_allreduce(x: torch.Tensor) -> torch.Tensor:
     """Reduce-scatter, then all-gather, each in N - 1 steps around the ring 0 → 1 → … → 0.
 
     ``x`` is cut into N chunks (sizes differ by at most one element). In every step each
     process sends one chunk to its right neighbour and receives one from its left, so all
-    N links are busy at once and each carries only n / N bytes per step. A chunk larger
-    than ``segment_bytes`` travels in segments, so that adding overlaps receiving.
+    N links are busy at once and each carries only n / N bytes per step.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size == 1:
         return x
     chunks = torch.tensor_split(x, world_size)            # views into x
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    segment = max(1, segment_bytes // x.element_size())
+    buffer = _receive_buffer(chunks[0].numel(), x.dtype, x.device)   # the largest chunk
     # Reduce-scatter: in step s, send chunk (rank - s) and add the received chunk
     # (rank - s - 1) into ours. Afterwards chunk (rank + 1) holds the sum over all ranks.
     for step in range(world_size - 1):
         send = chunks[(rank - step) % world_size]
         mine = chunks[(rank - step - 1) % world_size]
-        _send_and_add(send, right, mine, left, segment)
+        received = buffer[:mine.numel()]
+        _exchange(send, right, received, left)
+        mine += received
     # All-gather: pass the finished chunks around; each received chunk overwrites ours.
     for step in range(world_size - 1):
         send = chunks[(rank + 1 - step) % world_size]
@@ -215,9 +185,11 @@ def check_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequen
         dist.destroy_process_group()
 
 
-def bench_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequence[int],
-                 repeats: int, out: str) -> None:
-    """Time every algorithm at every size (bytes of float32); rank 0 writes the results.
+def bench_worker(rank: int, world_size: int,
+                 algorithms: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+                 sizes: Sequence[int], repeats: int, out: str) -> None:
+    """Time every algorithm (label → function) at every size (bytes of float32); rank 0
+    writes the results.
 
     One warm-up call of each algorithm, then ``repeats`` rounds in which every algorithm
     runs once in turn (so a slow moment of the machine hits all of them, not just the one
@@ -230,19 +202,20 @@ def bench_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequen
         results = []
         for nbytes in sizes:
             x = torch.ones(nbytes // 4)
-            times: dict[str, list[float]] = {name: [] for name in names}
-            for name in names:
-                ALGORITHMS[name](x)                       # warm-up (connections, caches)
+            times: dict[str, list[float]] = {label: [] for label in algorithms}
+            for fn in algorithms.values():
+                fn(x)                                     # warm-up (connections, caches)
             for _ in range(repeats):
-                for name in names:
+                for label, fn in algorithms.items():
                     dist.barrier()
                     tik = time.perf_counter()
-                    ALGORITHMS[name](x)
+                    fn(x)
                     took = torch.tensor([time.perf_counter() - tik], dtype=torch.float64)
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                    times[name].append(took.item())
-            results += [{"algorithm": name, "processes": world_size, "bytes": nbytes,
-                         "seconds": statistics.median(times[name])} for name in names]
+                    times[label].append(took.item())
+            results += [{"algorithm": label, "processes": world_size, "bytes": nbytes,
+                         "seconds": statistics.median(times[label])}
+                        for label in algorithms]
         if rank == 0:
             Path(out).write_text(json.dumps(
                 {"results": results, "hardware": hardware_line([torch.device("cpu")] *
@@ -260,11 +233,25 @@ def check(nprocs: int, names: Sequence[str] = tuple(ALGORITHMS),
 
 
 def benchmark(nprocs: int, sizes: Sequence[int], names: Sequence[str] = tuple(ALGORITHMS),
-              repeats: int = 5, timeout: float = 600) -> dict:
+              repeats: int = 5, timeout: float = 600,
+              algorithms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
+              ) -> dict:
     """Median seconds per allreduce of each algorithm and size (bytes) on ``nprocs``
     processes: ``{"results": [{"algorithm", "processes", "bytes", "seconds"}, …],
-    "hardware": …}``."""
-    return run(bench_worker, nprocs, list(names), list(sizes), repeats, timeout=timeout)
+    "hardware": …}``.
+
+    ``names`` picks from ``ALGORITHMS``; or pass ``algorithms``, label → function, to
+    time functions of your own. The functions travel to the worker processes by
+    pickling, so they must be importable: defined at module level in a file, not in a
+    notebook or as a lambda.
+    """
+    if algorithms is None:
+        unknown = [name for name in names if name not in ALGORITHMS]
+        if unknown:
+            raise ValueError(f"unknown algorithm(s) {unknown}; choose from {list(ALGORITHMS)}")
+        algorithms = {name: ALGORITHMS[name] for name in names}
+    return run(bench_worker, nprocs, dict(algorithms), list(sizes), repeats,
+               timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> None:
