@@ -1,10 +1,8 @@
 """Helpers for the book-level tests: tocs, notebooks, code cells."""
 from __future__ import annotations
 
-import io
 import re
 import sys
-import tokenize
 from pathlib import Path
 
 import jupytext
@@ -13,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # The book's tools already read the tocs (tools/notebooks.py); the tests use the same code.
 sys.path.insert(0, str(ROOT / "tools"))
-from notebooks import is_notebook, toc_entries as toc_files  # noqa: E402
+from notebooks import (  # noqa: E402,F401
+    is_notebook, strip_comments, toc_entries as toc_files, with_outputs_of)
 
 
 def source(entry: str) -> Path:
@@ -22,14 +21,6 @@ def source(entry: str) -> Path:
 
 def notebooks(lang: str) -> list[Path]:
     return [source(e) for e in toc_files(lang) if is_notebook(source(e))]
-
-
-def strip_comments(code: str) -> str:
-    """Code without comments and trailing spaces (what the two editions must share)."""
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(code).readline)
-              if t.type != tokenize.COMMENT]
-    text = tokenize.untokenize(tokens)
-    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
 
 
 def code_cells(path: Path) -> list[str]:

@@ -6,7 +6,6 @@ import gzip
 import hashlib
 import http.server
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -15,7 +15,7 @@ import jupytext
 import pytest
 from nbclient import NotebookClient
 
-from book import ROOT, notebooks, strip_comments
+from book import ROOT, notebooks, with_outputs_of
 from conftest import shared_data_dir
 
 NOTEBOOKS = notebooks("en") + notebooks("zh")
@@ -54,22 +54,8 @@ def store_in_book_cache(nb, path, out):
     spec = importlib.util.spec_from_file_location("build_book", ROOT / "tools/build_book.py")
     build_book = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build_book)
-    cache = get_cache(str(out / "cache" / f"quick-{build_book.code_hash()}"))
+    cache = get_cache(str(build_book.cache_folder("quick", out)))
     cache.cache_notebook_bundle(CacheBundleIn(nb, str(path)), overwrite=True)
-
-
-def with_outputs_of(path, executed):
-    """The notebook at ``path`` with the outputs of ``executed``, whose code cells must be
-    the same apart from comments."""
-    nb = jupytext.read(path)
-    mine = [c for c in nb.cells if c.cell_type == "code"]
-    theirs = [c for c in executed.cells if c.cell_type == "code"]
-    assert len(mine) == len(theirs), f"{path}: not the same code cells as its twin"
-    for a, b in zip(mine, theirs):
-        assert strip_comments(a.source) == strip_comments(b.source), (
-            f"{path}: code differs from its twin:\n{a.source}\n---\n{b.source}")
-        a.outputs, a.execution_count = b.outputs, b.execution_count
-    return nb
 
 
 EXECUTED = {}    # English notebook (relative to chapters/en) -> its executed notebook
@@ -80,7 +66,7 @@ def test_notebook_runs(path, book_out):
     en = ROOT / "chapters/en"
     twin = None if path.is_relative_to(en) else path.relative_to(ROOT / "chapters/zh")
     if twin in EXECUTED:
-        nb = with_outputs_of(path, EXECUTED[twin])
+        nb = with_outputs_of(jupytext.read(path), EXECUTED[twin], str(path))
     else:                      # an English notebook, or a Chinese one run on its own (-k)
         nb = execute(path)
         if path.is_relative_to(en):

@@ -19,8 +19,7 @@ import shutil
 import threading
 import urllib.error
 import urllib.request
-from pathlib import Path
-from urllib.parse import urldefrag, urljoin
+from urllib.parse import urldefrag
 
 import pytest
 

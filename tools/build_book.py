@@ -8,6 +8,11 @@ executed through jupyter-cache, in one cache per scale *and* per version of the
 ``dpbook`` package: jupyter-cache keys only on a notebook's own code cells, so without the
 package hash a change in ``code/`` would leave stale outputs on the site.
 
+A Chinese notebook has the same code cells as its English twin, comments aside (the
+tests check it), so it is not executed a second time: before the Chinese edition is
+built, each Chinese notebook goes into the cache with the outputs of its English twin's
+cached run. Both editions then show the numbers of the same run.
+
 The site is ``<out>/site/``: English at the root, Chinese under ``zh/``.
 """
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from notebooks import EDITIONS, ROOT   # tools/notebooks.py: (config, toc) per edition
+from notebooks import EDITIONS, ROOT, notebook_entries, with_outputs_of  # tools/notebooks.py
 
 
 def code_hash() -> str:
@@ -42,14 +47,57 @@ def default_scale() -> str:
     return dp.get_scale().name
 
 
+def cache_folder(scale: str, out: Path) -> Path:
+    """The execution cache for ``scale`` and this version of ``dpbook``; removes the
+    caches of older versions, whose outputs must never be shown."""
+    cache_root = out / "cache"
+    cache = cache_root / f"{scale}-{code_hash()}"
+    for old in cache_root.glob(f"{scale}-*"):
+        if old != cache:
+            shutil.rmtree(old, ignore_errors=True)
+    return cache
+
+
+def reuse_english_outputs(cache: Path) -> list[str]:
+    """Cache every Chinese notebook with the outputs of its English twin's cached run.
+
+    Skips a notebook already in the cache and one whose twin is not (it is then executed
+    by the build as usual). Returns the Chinese notebooks it cached.
+    """
+    import jupytext
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
+
+    jc = get_cache(str(cache))
+    done = []
+    for entry in notebook_entries("zh"):
+        zh_path = ROOT / f"{entry}.md"
+        en_path = ROOT / "chapters" / "en" / zh_path.relative_to(ROOT / "chapters" / "zh")
+        zh = jupytext.read(zh_path)
+        try:
+            jc.match_cache_notebook(zh)
+            continue                                   # cached already
+        except KeyError:
+            pass
+        try:
+            record = jc.match_cache_notebook(jupytext.read(en_path))
+        except (KeyError, FileNotFoundError):
+            continue
+        executed = jc.get_cache_bundle(record.pk).nb
+        nb = with_outputs_of(zh, executed, entry)
+        jc.cache_notebook_bundle(CacheBundleIn(nb, str(zh_path)), overwrite=True)
+        done.append(entry)
+    return done
+
+
 def build_edition(lang: str, scale: str, out: Path, warnings_as_errors: bool) -> Path:
     config_name, toc_name = EDITIONS[lang]
     config = yaml.safe_load((ROOT / config_name).read_text(encoding="utf8"))
-    cache_root = out / "cache"
-    cache = cache_root / f"{scale}-{code_hash()}"
-    for old in cache_root.glob(f"{scale}-*"):      # outputs of an older dpbook: never reused
-        if old != cache:
-            shutil.rmtree(old, ignore_errors=True)
+    cache = cache_folder(scale, out)
+    if lang == "zh":
+        reused = reuse_english_outputs(cache)
+        print(f"[build_book] zh: {len(reused)} notebook(s) take the outputs of their "
+              "English twin", flush=True)
     config["execute"]["cache"] = str(cache)
     # The config is written elsewhere, and jupyter-book resolves paths from the config file.
     config["sphinx"]["local_extensions"] = {
@@ -81,7 +129,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     scale = args.scale or default_scale()
     out = args.out.resolve()
-    langs = args.lang or list(EDITIONS)
+    langs = [lang for lang in EDITIONS if lang in (args.lang or EDITIONS)]  # en first
     html = {lang: build_edition(lang, scale, out, args.strict) for lang in langs}
 
     site = out / "site"

@@ -35,7 +35,7 @@ def data_parallel_step(path: Path) -> None:
     for row, (y, i) in enumerate(((4.0, 0), (1.2, 1))):
         ax.text(2.2, y + 0.75, f"dev {i}", fontsize=10, family="monospace", color="#555555")
         box(ax, 3.0, y, 1.4, 0.8, f"$X^{{({i})}}, y^{{({i})}}$\n($B/2$)", blue)
-        box(ax, 5.0, y, 1.6, 0.8, f"$\\mathbf{{w}}$\n$\\nabla_\\mathbf{{w}} \\sum \\ell$", green)
+        box(ax, 5.0, y, 1.6, 0.8, "$\\mathbf{w}$\n$\\nabla_\\mathbf{w} \\sum \\ell$", green)
         box(ax, 7.0, y, 1.4, 0.8, f"$\\mathbf{{g}}^{{({i})}}$", orange)
         box(ax, 9.0, y, 1.6, 0.8, "$\\mathbf{w} \\leftarrow \\mathbf{w} - "
                                   "\\frac{\\eta}{B}\\mathbf{g}$", green)

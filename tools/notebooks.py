@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 import jupytext
@@ -97,6 +99,30 @@ def toc_entries(lang: str) -> list[str]:
 def is_notebook(path: Path) -> bool:
     head = path.read_text(encoding="utf8")[:400]
     return head.startswith("---") and "jupytext:" in head
+
+
+def strip_comments(code: str) -> str:
+    """Code without comments and trailing spaces (what the two editions must share)."""
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(code).readline)
+              if t.type != tokenize.COMMENT]
+    text = tokenize.untokenize(tokens)
+    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
+
+
+def with_outputs_of(nb: nbformat.NotebookNode, executed: nbformat.NotebookNode,
+                    name: str = "notebook") -> nbformat.NotebookNode:
+    """``nb`` with the outputs of ``executed``, cell by cell; raise ValueError unless
+    their code cells are the same, comments aside (the two editions of a chapter are)."""
+    mine = [c for c in nb.cells if c.cell_type == "code"]
+    theirs = [c for c in executed.cells if c.cell_type == "code"]
+    if len(mine) != len(theirs):
+        raise ValueError(f"{name}: {len(mine)} code cells, its twin has {len(theirs)}")
+    for a, b in zip(mine, theirs):
+        if strip_comments(a.source) != strip_comments(b.source):
+            raise ValueError(f"{name}: code differs from its twin:\n{a.source}\n---\n{b.source}")
+    for a, b in zip(mine, theirs):
+        a.outputs, a.execution_count = b.outputs, b.execution_count
+    return nb
 
 
 def notebook_entries(lang: str) -> list[str]:

@@ -44,7 +44,6 @@ def worker(coordinator: str, num_processes: int, process_id: int, local_devices:
            timeout: int = 60) -> dict:
     """One process: join the group, take one data-parallel step, compare with one device."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from . import scratch
