@@ -230,3 +230,14 @@ def test_cosine_lr_decays_from_lr_to_nearly_zero():
     for bad in (-1, 100):
         with pytest.raises(ValueError, match="outside"):
             dpbook.cosine_lr(0.3, bad, 100)
+
+
+def test_cosine_lr_warms_up_linearly_then_decays():
+    lrs = [dpbook.cosine_lr(0.6, step, 100, warmup_steps=10) for step in range(100)]
+    assert [round(v, 12) for v in lrs[:10]] == [round(0.06 * (i + 1), 12) for i in range(10)]
+    assert lrs[10] == 0.6                                         # the cosine starts at lr
+    assert all(a > b for a, b in zip(lrs[10:], lrs[11:]))
+    assert abs(lrs[55] - 0.3) < 1e-12 and 0 < lrs[-1] < 1e-3     # halfway through the decay
+    for bad in (-1, 100):
+        with pytest.raises(ValueError, match="warmup_steps"):
+            dpbook.cosine_lr(0.6, 0, 100, warmup_steps=bad)

@@ -180,3 +180,6 @@ def test_real_fashion_mnist(fashion_mnist_dir):
     assert np.bincount(y_test).tolist() == [1000] * 10
     assert data.get_fashion_mnist_labels(y_train[:2]) == [data.TEXT_LABELS[y_train[0]],
                                                           data.TEXT_LABELS[y_train[1]]]
+    pixels = X_train.astype(np.float64) / 255          # the statistics loaders standardize with
+    assert abs(pixels.mean() - data.FASHION_MNIST_MEAN) < 1e-4
+    assert abs(pixels.std() - data.FASHION_MNIST_STD) < 1e-4

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dpbook import torch as dp
+from dpbook.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD
 
 # Pinned sizes: a change in a model's definition must be deliberate.
 PARAMS = {"lenet": 129_068, "lenet5": 61_706}
@@ -117,3 +118,7 @@ def test_load_data_fashion_mnist(fashion_mnist_dir):
     assert len(train_iter.dataset) == 256 and len(test_iter.dataset) == 128
     again, _ = dp.load_data_fashion_mnist(64, 256, 128, root=fashion_mnist_dir)
     torch.testing.assert_close(next(iter(again))[0], X)    # same seed, same batches
+    standard, _ = dp.load_data_fashion_mnist(64, 256, 128, root=fashion_mnist_dir,
+                                             normalize=True)
+    torch.testing.assert_close(next(iter(standard))[0],
+                               (X - FASHION_MNIST_MEAN) / FASHION_MNIST_STD)

@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["FILES", "MIRRORS", "TEXT_LABELS", "DataUnavailableError", "data_dir",
+__all__ = ["FILES", "MIRRORS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "TEXT_LABELS", "DataUnavailableError", "data_dir",
            "fetch_fashion_mnist", "read_fashion_mnist", "subset", "ArrayLoader",
            "get_fashion_mnist_labels"]
 
@@ -37,6 +37,12 @@ MIRRORS = (
     "https://storage.googleapis.com/tensorflow/tf-keras-datasets/",
     "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/",
 )
+
+#: Mean and standard deviation of the training images' pixels, scaled to [0, 1] (all
+#: 60,000 images; tests/test_data.py recomputes them). Loaders standardize with these
+#: when asked (``normalize=True``).
+FASHION_MNIST_MEAN = 0.2860
+FASHION_MNIST_STD = 0.3530
 
 TEXT_LABELS = ("t-shirt", "trouser", "pullover", "dress", "coat",
                "sandal", "shirt", "sneaker", "bag", "ankle boot")

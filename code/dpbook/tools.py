@@ -82,14 +82,21 @@ class Accumulator:
         return self.data[idx]
 
 
-def cosine_lr(lr: float, step: int, num_steps: int) -> float:
-    """The learning rate for ``step`` (0, 1, …) of ``num_steps``: ``lr`` decayed along
-    half a cosine, from ``lr`` at step 0 to nearly 0 at the last step.
+def cosine_lr(lr: float, step: int, num_steps: int, warmup_steps: int = 0) -> float:
+    """The learning rate for ``step`` (0, 1, …) of ``num_steps``: a linear warm-up over
+    the first ``warmup_steps`` steps, from ``lr / warmup_steps`` up to ``lr``, then ``lr``
+    decayed along half a cosine to nearly 0 at the last step.
 
     With a constant learning rate the last steps keep jumping around the minimum, so the
     final accuracy depends on where the last step happened to land; decaying the rate
-    lets the last epochs settle.
+    lets the last epochs settle. The warm-up keeps a large learning rate from throwing
+    the still random parameters far off in the first steps, where gradients are largest.
     """
     if not 0 <= step < num_steps:
         raise ValueError(f"step {step} is outside 0 … {num_steps - 1}")
-    return lr * 0.5 * (1 + math.cos(math.pi * step / num_steps))
+    if not 0 <= warmup_steps < num_steps:
+        raise ValueError(f"warmup_steps must be in 0 … {num_steps - 1}, got {warmup_steps}")
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    t = (step - warmup_steps) / (num_steps - warmup_steps)
+    return lr * 0.5 * (1 + math.cos(math.pi * t))

@@ -10,24 +10,33 @@ from .. import data as _data
 __all__ = ["load_data_fashion_mnist", "to_arrays"]
 
 
-def to_arrays(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 images (N, 28, 28) → float32 (N, 28, 28, 1) in [0, 1]; labels → int32."""
-    return (X.astype(np.float32) / 255)[..., None], y.astype(np.int32)
+def to_arrays(X: np.ndarray, y: np.ndarray, normalize: bool = False
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """uint8 images (N, 28, 28) → float32 (N, 28, 28, 1) in [0, 1]; labels → int32.
+
+    With ``normalize``, the images are standardized with the training set's pixel mean
+    and standard deviation (:data:`dpbook.data.FASHION_MNIST_MEAN`, ``…_STD``) instead.
+    """
+    X = (X.astype(np.float32) / 255)[..., None]
+    if normalize:
+        X = (X - np.float32(_data.FASHION_MNIST_MEAN)) / np.float32(_data.FASHION_MNIST_STD)
+    return X, y.astype(np.int32)
 
 
 def load_data_fashion_mnist(batch_size: int, num_train: int | None = None,
                             num_test: int | None = None,
                             root: str | os.PathLike | None = None, seed: int = 0,
-                            drop_last: bool = True
+                            drop_last: bool = True, normalize: bool = False
                             ) -> tuple[_data.ArrayLoader, _data.ArrayLoader]:
     """``(train_iter, test_iter)`` yielding numpy ``(X, y)`` batches.
 
     The training loader reshuffles every epoch (seeded) and by default drops the last
     partial batch, so every step has the same shape and jit compiles once. The test
-    loader keeps every example.
+    loader keeps every example. ``normalize`` standardizes the images (see
+    :func:`to_arrays`).
     """
     X_train, y_train, X_test, y_test = _data.read_fashion_mnist(root)
-    train = to_arrays(*_data.subset(X_train, y_train, num_train, seed))
-    test = to_arrays(*_data.subset(X_test, y_test, num_test, seed))
+    train = to_arrays(*_data.subset(X_train, y_train, num_train, seed), normalize=normalize)
+    test = to_arrays(*_data.subset(X_test, y_test, num_test, seed), normalize=normalize)
     return (_data.ArrayLoader(*train, batch_size, shuffle=True, seed=seed, drop_last=drop_last),
             _data.ArrayLoader(*test, batch_size, shuffle=False))

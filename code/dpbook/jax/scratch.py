@@ -146,14 +146,15 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
           animator: Animator | None = None) -> dict:
     """Train LeNet on Fashion-MNIST with :func:`train_batch` on ``num_devices`` devices.
 
-    Like ``dpbook.torch.scratch.train``: same data, epochs, cosine-decayed learning rate,
-    curves and results. One untimed warm-up step compiles the jitted functions first.
+    Like ``dpbook.torch.scratch.train``: same standardized data, epochs, learning rate
+    schedule (warm-up, then cosine decay), curves and results. One untimed warm-up step compiles the jitted functions first.
     """
     scale = scale or get_scale()
     num_epochs = num_epochs or scale.num_epochs
     devices = get_devices(num_devices)
     train_iter, test_iter = load_data_fashion_mnist(batch_size, scale.num_train,
-                                                    scale.num_test, root=root, seed=seed)
+                                                    scale.num_test, root=root, seed=seed,
+                                                    normalize=True)
     init = init_lenet_params(jax.random.key(seed))
     device_params = [get_params(init, d) for d in devices]
     if animator is None:
@@ -164,11 +165,12 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     X, y = next(iter(train_iter))
     jax.block_until_ready(train_batch(X, y, device_params, devices, lr))
     timer, step, num_steps = Timer(start=False), 0, num_epochs * len(train_iter)
+    warmup_steps = num_steps // 10
     for epoch in range(num_epochs):
         metric = Accumulator(2)      # summed loss, examples
         timer.start()
         for X, y in train_iter:
-            step_lr = cosine_lr(lr, step, num_steps)
+            step_lr = cosine_lr(lr, step, num_steps, warmup_steps)
             device_params, loss = train_batch(X, y, device_params, devices, step_lr)
             metric.add(loss, len(y))
             step += 1

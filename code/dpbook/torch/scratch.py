@@ -115,8 +115,10 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
 
     The data size and (by default) the epochs come from ``scale``. Parameters start from
     ``init_lenet_params(seed)``, so runs with different device counts are comparable.
-    The learning rate starts at ``lr`` and decays to nearly 0 along a cosine
-    (:func:`dpbook.cosine_lr`), so the last epochs settle instead of jumping around.
+    The images are standardized (mean 0, variance 1). The learning rate rises linearly
+    to ``lr`` over the first tenth of the steps (warm-up), then decays to nearly 0 along
+    a cosine (:func:`dpbook.cosine_lr`), so the last epochs settle instead of jumping
+    around.
     Returns the run's results: test accuracy, seconds per epoch, the curves and the
     hardware line; each epoch's time covers training only (synchronized), not evaluation.
     """
@@ -124,18 +126,20 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     num_epochs = num_epochs or scale.num_epochs
     devices = get_devices(num_devices)
     train_iter, test_iter = load_data_fashion_mnist(batch_size, scale.num_train,
-                                                    scale.num_test, root=root, seed=seed)
+                                                    scale.num_test, root=root, seed=seed,
+                                                    normalize=True)
     init = init_lenet_params(seed)
     device_params = [get_params(init, d) for d in devices]
     if animator is None:
         animator = training_animator(
             num_epochs, f"{num_devices} device(s), batch {batch_size}, lr {lr}")
     timer, step, num_steps = Timer(start=False), 0, num_epochs * len(train_iter)
+    warmup_steps = num_steps // 10
     for epoch in range(num_epochs):
         metric = Accumulator(2)      # summed loss, examples
         timer.start()
         for X, y in train_iter:
-            step_lr = cosine_lr(lr, step, num_steps)
+            step_lr = cosine_lr(lr, step, num_steps, warmup_steps)
             metric.add(train_batch(X, y, device_params, devices, step_lr), y.numel())
             step += 1
         timer.stop()
