@@ -19,9 +19,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["FILES", "MIRRORS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "TEXT_LABELS", "DataUnavailableError", "data_dir",
-           "fetch_fashion_mnist", "read_fashion_mnist", "subset", "ArrayLoader",
-           "get_fashion_mnist_labels"]
+__all__ = ["FILES", "MIRRORS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "TEXT_LABELS",
+           "DataUnavailableError", "data_dir", "fetch_fashion_mnist", "read_fashion_mnist",
+           "subset", "ArrayLoader", "get_fashion_mnist_labels"]
 
 #: The official files and their SHA-256 sums (the sums Keras checks).
 FILES = {

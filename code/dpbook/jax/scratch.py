@@ -18,8 +18,8 @@ from ..tools import Accumulator, cosine_lr
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
 
-__all__ = ["init_lenet_params", "conv2d", "avg_pool2d", "lenet_forward", "loss_fn", "grad_fn", "get_params",
-           "allreduce", "sgd", "train_batch", "evaluate_accuracy", "train"]
+__all__ = ["init_lenet_params", "conv2d", "avg_pool2d", "lenet_forward", "loss_fn", "grad_fn",
+           "get_params", "allreduce", "sgd", "train_batch", "evaluate_accuracy", "train"]
 
 
 def init_lenet_params(key: jax.Array) -> list[jax.Array]:
@@ -147,7 +147,8 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     """Train LeNet on Fashion-MNIST with :func:`train_batch` on ``num_devices`` devices.
 
     Like ``dpbook.torch.scratch.train``: same standardized data, epochs, learning rate
-    schedule (warm-up, then cosine decay), curves and results. One untimed warm-up step compiles the jitted functions first.
+    schedule (warm-up, then cosine decay), curves and results. One untimed step first
+    compiles the jitted functions.
     """
     scale = scale or get_scale()
     num_epochs = num_epochs or scale.num_epochs
