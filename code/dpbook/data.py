@@ -21,7 +21,7 @@ import numpy as np
 
 __all__ = ["FILES", "MIRRORS", "FASHION_MNIST_MEAN", "FASHION_MNIST_STD", "TEXT_LABELS",
            "DataUnavailableError", "data_dir", "fetch_fashion_mnist", "read_fashion_mnist",
-           "subset", "ArrayLoader", "get_fashion_mnist_labels"]
+           "subset", "pixels", "ArrayLoader", "get_fashion_mnist_labels"]
 
 #: The official files and their SHA-256 sums (the sums Keras checks).
 FILES = {
@@ -145,6 +145,16 @@ def read_fashion_mnist(root: str | os.PathLike | None = None, mirrors: Sequence[
     """
     paths = fetch_fashion_mnist(root, mirrors)
     return tuple(_read_idx(paths[name]) for name in FILES)  # type: ignore[return-value]
+
+
+def pixels(X: np.ndarray, normalize: bool = False) -> np.ndarray:
+    """uint8 images → float32 in [0, 1], or standardized with the training set's pixel mean
+    and standard deviation (:data:`FASHION_MNIST_MEAN`, :data:`FASHION_MNIST_STD`) when
+    ``normalize``. The PyTorch and JAX loaders both use it; they only add a channel axis."""
+    X = X.astype(np.float32) / 255
+    if normalize:
+        X = (X - np.float32(FASHION_MNIST_MEAN)) / np.float32(FASHION_MNIST_STD)
+    return X
 
 
 def subset(X: np.ndarray, y: np.ndarray, n: int | None, seed: int = 0

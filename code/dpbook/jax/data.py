@@ -12,15 +12,9 @@ __all__ = ["load_data_fashion_mnist", "to_arrays"]
 
 def to_arrays(X: np.ndarray, y: np.ndarray, normalize: bool = False
               ) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 images (N, 28, 28) → float32 (N, 28, 28, 1) in [0, 1]; labels → int32.
-
-    With ``normalize``, the images are standardized with the training set's pixel mean
-    and standard deviation (:data:`dpbook.data.FASHION_MNIST_MEAN`, ``…_STD``) instead.
-    """
-    X = (X.astype(np.float32) / 255)[..., None]
-    if normalize:
-        X = (X - np.float32(_data.FASHION_MNIST_MEAN)) / np.float32(_data.FASHION_MNIST_STD)
-    return X, y.astype(np.int32)
+    """uint8 images (N, 28, 28) → float32 (N, 28, 28, 1) in [0, 1], or standardized with
+    ``normalize`` (:func:`dpbook.data.pixels`); labels → int32."""
+    return _data.pixels(X, normalize)[..., None], y.astype(np.int32)
 
 
 def load_data_fashion_mnist(batch_size: int, num_train: int | None = None,

@@ -12,14 +12,9 @@ __all__ = ["load_data_fashion_mnist", "to_tensors"]
 
 
 def to_tensors(X, y, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 images (N, 28, 28) → float32 (N, 1, 28, 28) in [0, 1]; labels → int64.
-
-    With ``normalize``, the images are standardized with the training set's pixel mean
-    and standard deviation (:data:`dpbook.data.FASHION_MNIST_MEAN`, ``…_STD``) instead.
-    """
-    X = torch.from_numpy(X.copy()).float().div_(255).unsqueeze(1)
-    if normalize:
-        X = X.sub_(_data.FASHION_MNIST_MEAN).div_(_data.FASHION_MNIST_STD)
+    """uint8 images (N, 28, 28) → float32 (N, 1, 28, 28) in [0, 1], or standardized with
+    ``normalize`` (:func:`dpbook.data.pixels`); labels → int64."""
+    X = torch.from_numpy(_data.pixels(X, normalize)).unsqueeze(1)
     return X, torch.from_numpy(y.astype("int64"))
 
 
