@@ -50,7 +50,9 @@ def worker(coordinator: str, num_processes: int, process_id: int, local_devices:
     from .devices import hardware_line
 
     # Before JAX creates its CPU backend: the emulated devices of this process, and gloo
-    # for the collectives between CPU processes (GPUs would use NCCL).
+    # for the collectives between CPU processes (GPUs would use NCCL). CPU devices even on
+    # a machine with GPUs, so that every machine runs (and checks) the same 2 x 2 devices.
+    jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", local_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,

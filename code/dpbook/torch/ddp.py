@@ -335,10 +335,14 @@ def torchrun_command(script_args: Sequence[str], nproc_per_node: int = 1, nnodes
     return cmd + ["-m", "dpbook.torch.ddp", *script_args]
 
 
-def max_difference(checkpoint_a: str | os.PathLike, checkpoint_b: str | os.PathLike) -> float:
-    """The largest absolute difference between the model parameters of two checkpoints."""
-    a = torch.load(checkpoint_a, map_location="cpu")["model"]
-    b = torch.load(checkpoint_b, map_location="cpu")["model"]
+def max_difference(a: str | os.PathLike | dict, b: str | os.PathLike | dict) -> float:
+    """The largest absolute difference between the model parameters of two checkpoints.
+
+    Either may also be a model's ``state_dict()``: ``max_difference(start, checkpoint)``
+    with ``start = build_model(cfg).state_dict()`` is how far training moved the parameters.
+    """
+    a, b = (x if isinstance(x, dict) else torch.load(x, map_location="cpu")["model"]
+            for x in (a, b))
     if a.keys() != b.keys():
         raise ValueError("the checkpoints hold different models")
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
@@ -368,6 +372,9 @@ def step_worker(rank: int, world_size: int, model: str, batch_size: int, lr: flo
     device = init_process(rank, world_size)
     try:
         torch.set_num_threads(1)
+        if device.type == "cuda":     # full float32 like the CPU reference: no TF32 convolutions
+            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = False
         cfg = Config(model=model, seed=seed, scale="quick")
         net = DDP(build_model(cfg).to(device))
         X, y = _fixed_batch(batch_size, seed)
