@@ -1,4 +1,5 @@
-# dpbook: `make book` builds the site, `make test` runs the test suite.
+# dpbook: `make book` builds the site, `make test` runs the test suite,
+# `make outputs` refreshes the stored outputs of the notebooks (tools/outputs.py).
 # Both create (or reuse) the virtual environment .venv first; run them again and they
 # skip what is already done.
 
@@ -8,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dpbook-installed
 PORT   ?= 8000
 
-.PHONY: book test serve env notebooks clean
+.PHONY: book test serve env notebooks outputs clean
 
 env: $(STAMP)
 
@@ -25,6 +26,9 @@ book: $(STAMP)
 
 notebooks: $(STAMP)
 	$(PY) tools/notebooks.py
+
+outputs: $(STAMP)
+	$(PY) tools/outputs.py
 
 test: $(STAMP)
 	DPBOOK_SCALE=quick $(PY) -m pytest

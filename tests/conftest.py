@@ -4,6 +4,8 @@
 * Tests run at ``DPBOOK_SCALE=quick`` unless the environment says otherwise.
 * One JAX compilation cache serves the session (``JAX_COMPILATION_CACHE_DIR``).
 * Markers ``gpu``, ``multigpu`` and ``slow`` skip with a reason naming what is missing.
+* Without Fashion-MNIST the tests that need it skip, saying why; with
+  ``DPBOOK_REQUIRE_DATA=1`` (set by ``.ci/run``) they fail instead.
 """
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ def _num_gpus() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    # Tests of the built site run last: test_notebooks fills the execution cache the
-    # site build then reuses (see `book_out`), whatever the file names.
+    # Tests of the built site run last: test_notebooks stores the runs the site build
+    # then reuses (see `book_out`), whatever the file names.
     items.sort(key=lambda item: "site" in getattr(item, "fixturenames", ()))
     num_gpus = None
     for item in items:
@@ -72,14 +74,23 @@ def shared_data_dir() -> Path | None:
     return None
 
 
-@pytest.fixture(scope="session")
-def fashion_mnist_dir() -> Path:
-    """The real dataset; skips (saying why) when no local copy exists — tests never download."""
+def require_data() -> Path:
+    """The dataset folder; without one, skip the calling test (saying why), or fail it
+    when ``DPBOOK_REQUIRE_DATA=1`` — tests never download."""
     folder = shared_data_dir()
     if folder is None:
-        pytest.skip("Fashion-MNIST not found: set DPBOOK_DATA to a folder with the four "
-                    "official .gz files (tests never download)")
+        why = ("Fashion-MNIST not found: set DPBOOK_DATA to a folder with the four "
+               "official .gz files (tests never download)")
+        if os.environ.get("DPBOOK_REQUIRE_DATA") == "1":
+            pytest.fail(why + "; DPBOOK_REQUIRE_DATA=1 forbids skipping", pytrace=False)
+        pytest.skip(why)
     return folder
+
+
+@pytest.fixture(scope="session")
+def fashion_mnist_dir() -> Path:
+    """The real dataset (see :func:`require_data`)."""
+    return require_data()
 
 
 @pytest.fixture(scope="session")
@@ -87,8 +98,8 @@ def book_out(tmp_path_factory) -> Path:
     """The build folder of the test build of the book (tools/build_book.py --out).
 
     tests/test_notebooks.py stores the notebooks it executes in this folder's
-    jupyter-cache, so that the book build (the ``site`` fixture; its tests are sorted
-    last) does not execute them a second time.
+    ``outputs/quick/``, where the book build (the ``site`` fixture; its tests are sorted
+    last) finds them and does not execute them a second time.
     """
     return tmp_path_factory.mktemp("book")
 

@@ -42,7 +42,6 @@ def test_compiled_collectives():
     psum = comm.make_allreduce(comm.psum_allreduce, mesh)
     assert comm.collective_ops(ring, x) == {"collective-permute": 2 * (4 - 1)}
     assert comm.collective_ops(psum, x) == {"all-reduce": 1}
-    assert comm.time_allreduce(psum, x, num_repeats=2) > 0
 
 
 def test_pad_batch_layout():

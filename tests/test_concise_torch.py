@@ -51,14 +51,16 @@ def test_evaluate_accuracy_gpus_equals_one_device(k):
     assert net.training, "the network's mode is restored"
 
 
-def test_train_same_init_same_first_steps(fashion_mnist_dir):
+def test_train_smoke_same_init_same_losses_on_cpu(fashion_mnist_dir):
+    """A smoke test of ``concise.train``: on a CPU ``nn.DataParallel`` is a no-op, so runs
+    with 1 and 2 "devices" are the same computation from the same initial state."""
     scale = dp.get_scale("quick")
     init = concise.init_resnet18(scale.resnet_width, seed=0)
     runs = [concise.train(k, 64, 0.1, init_state=init, scale=scale, root=fashion_mnist_dir,
                           animator=dp.Animator(legend=["train loss", "test acc"], path=False,
                                                live=False)) for k in (1, 2)]
     for r in runs:
-        assert len(r["epoch_times"]) == scale.resnet_epochs and 0 <= r["test_acc"] <= 1
+        assert len(r["epoch_times"]) == scale.resnet_epochs and 0.1 <= r["test_acc"] <= 1
         assert "devices (" in r["hardware"]
     if not torch.cuda.is_available():   # on a CPU both runs are the same computation
         assert runs[0]["train_loss"] == pytest.approx(runs[1]["train_loss"], rel=1e-6)

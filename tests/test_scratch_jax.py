@@ -63,8 +63,8 @@ def test_k_device_step_equals_one_device_step(k):
     X, y = batch(24 * k, seed=k)
     init = random_params(1)
     devices = jax.devices()[:k]
-    [reference], _ = scratch.train_batch(X, y, [scratch.get_params(init, devices[0])],
-                                         devices[:1], 0.3)
+    [reference], ref_loss = scratch.train_batch(
+        X, y, [scratch.get_params(init, devices[0])], devices[:1], 0.3)
     replicas, loss = scratch.train_batch(X, y, [scratch.get_params(init, d) for d in devices],
                                          devices, 0.3)
     for ref, p in zip(reference, replicas[0]):
@@ -73,7 +73,7 @@ def test_k_device_step_equals_one_device_step(k):
     for replica, device in zip(replicas, devices):
         assert all(p.devices() == {device} for p in replica)
         assert all(np.array_equal(a, b) for a, b in zip(replica, replicas[0]))
-    assert float(loss) > 0
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)   # the summed batch loss
 
 
 def test_uneven_split_still_equals_one_device():

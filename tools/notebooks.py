@@ -13,6 +13,10 @@ outside the book:
 * ``literalinclude`` directives become the code they show (read from ``code/``);
 * figures point at the repository's raw files, and ``{ref}`` roles become the title of
   the section they name.
+
+They carry the outputs of the stored run at the ``cpu`` scale (``outputs/cpu/``, see
+tools/outputs.py) when its code cells are those of the source, so a reader sees results
+before running anything; a Chinese notebook carries its English twin's.
 """
 from __future__ import annotations
 
@@ -191,10 +195,27 @@ def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str])
     return re.sub(r"^\([\w-]+\)=[ \t]*\n", "", text, flags=re.M)   # drop (label)= lines
 
 
+OUTPUTS_SCALE = "cpu"     # the generated notebooks show the outputs of this scale's runs
+
+
+def stored_run(entry: str) -> nbformat.NotebookNode | None:
+    """The stored run (tools/outputs.py) of ``entry``'s English twin, if there is one."""
+    import outputs
+    twin = re.sub(r"^chapters/\w+/", "chapters/en/", entry)
+    return outputs.load(outputs.stored_path(twin, OUTPUTS_SCALE))
+
+
 def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:
-    """The runnable ``.ipynb`` of toc entry ``entry`` (a MyST notebook), without outputs."""
+    """The runnable ``.ipynb`` of toc entry ``entry`` (a MyST notebook), with the outputs
+    of its stored run when the code is the same."""
     source = ROOT / f"{entry}.md"
     nb = jupytext.read(source)
+    run = stored_run(entry)
+    if run is not None:
+        try:
+            nb = with_outputs_of(nb, run, entry)
+        except ValueError:          # the code changed since that run: no outputs
+            pass
     titles = label_titles(lang)
     cells = []
     for cell in nb.cells:
@@ -216,8 +237,6 @@ def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:
     })
     for i, cell in enumerate(out.cells):     # stable ids: regenerating changes nothing
         cell["id"] = f"cell-{i}"
-        if cell.cell_type == "code":
-            cell.outputs, cell.execution_count = [], None
     nbformat.validate(out)
     return out
 

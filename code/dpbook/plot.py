@@ -18,6 +18,7 @@ import os
 import sys
 from typing import Sequence
 
+from matplotlib import rc_context
 from matplotlib.figure import Figure
 
 __all__ = ["Animator", "in_notebook", "training_animator"]
@@ -112,7 +113,8 @@ class Animator:
     def _show(self) -> None:
         from IPython.display import SVG, display
         buf = io.StringIO()
-        self.fig.savefig(buf, format="svg")
+        with rc_context({"svg.hashsalt": "dpbook"}):   # the same drawing, the same SVG
+            self.fig.savefig(buf, format="svg", metadata={"Date": None})
         image = SVG(buf.getvalue())
         if self._handle is None:
             self._handle = display(image, display_id=True)
