@@ -72,8 +72,13 @@ def payload_bytes(numel: int, kind: str) -> int:
 
 @dataclasses.dataclass
 class TwoBitState:
-    """What :func:`two_bit_hook` keeps between steps: the threshold, one residual per
-    bucket, and how many bytes this process has handed to the collectives."""
+    """What :func:`two_bit_hook` keeps between steps: the threshold, one flat residual
+    per *parameter* (``residuals[param]``), and how many bytes this process has handed to
+    the collectives.
+
+    Residuals are not kept per bucket: DDP rebuilds its buckets after the first iteration
+    (in the order the gradients arrived), so the parameters behind a bucket index change.
+    """
 
     threshold: float
     residuals: dict = dataclasses.field(default_factory=dict)
@@ -89,9 +94,16 @@ def two_bit_hook(state, bucket):   # no annotations: DDP checks them, and this m
     Register it with ``ddp_model.register_comm_hook(TwoBitState(threshold), two_bit_hook)``.
     Like DDP's own allreduce, the result is the *average* over the processes.
     """
-    grad = bucket.buffer()
-    residual = state.residuals.setdefault(bucket.index(), torch.zeros_like(grad))
+    grad = bucket.buffer()                 # this bucket's gradients, flat, in params' order
+    params = bucket.parameters()
+    residuals = [state.residuals.setdefault(p, p.new_zeros(p.numel())) for p in params]
+    residual = torch.cat(residuals)
+    if residual.numel() != grad.numel():
+        raise RuntimeError(f"bucket {bucket.index()} holds {grad.numel()} gradient entries, "
+                           f"its parameters {residual.numel()}")
     packed = quantize_2bit(grad, residual, state.threshold)
+    for r, new in zip(residuals, residual.split([r.numel() for r in residuals])):
+        r.copy_(new)                       # back to each parameter's own residual
     state.bytes_sent += packed.numel()
     world_size = dist.get_world_size()
     gathered = [torch.empty_like(packed) for _ in range(world_size)]
