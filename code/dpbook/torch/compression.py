@@ -1,8 +1,10 @@
 """Gradient compression: 2-bit quantization with a threshold and error feedback.
 
-MXNet's ``--gc-type 2bit`` (Seide et al. 2014, "1-bit SGD", with a threshold): every
-gradient entry is sent as one of three values, ``+t``, ``0`` or ``-t``, two bits each — 16×
-fewer bytes than float32. What rounding throws away is not lost: it stays in a
+MXNet's ``--gc-type 2bit``, the thresholded scheme of Strom (2015, "Scalable distributed DNN
+training using commodity GPU cloud computing"), the paper MXNet's gradient-compression
+guide cites: every gradient entry is sent as one of three values, ``+t``, ``0`` or ``-t``,
+two bits each — 16× fewer bytes than float32. (Seide et al. 2014, "1-bit SGD", send the
+sign with error feedback.) What rounding throws away is not lost: it stays in a
 per-process *residual* and is added to the next step's gradient (error feedback), so a
 small gradient entry is sent once it has added up to the threshold.
 
