@@ -1,5 +1,5 @@
 # dpbook: `make book` builds the site, `make test` runs the test suite,
-# `make outputs` refreshes the stored outputs of the notebooks (tools/outputs.py).
+# `make outputs` refreshes the stored outputs of the notebooks (tools/runs.py).
 # Both create (or reuse) the virtual environment .venv first; run them again and they
 # skip what is already done.
 
@@ -28,7 +28,7 @@ notebooks: $(STAMP)
 	$(PY) tools/notebooks.py
 
 outputs: $(STAMP)
-	$(PY) tools/outputs.py
+	$(PY) tools/runs.py
 
 test: $(STAMP)
 	DPBOOK_SCALE=quick $(PY) -m pytest

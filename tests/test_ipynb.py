@@ -17,7 +17,7 @@ from nbclient import NotebookClient
 from book import ROOT, notebooks as book_notebooks
 
 import notebooks  # noqa: E402  (tools/notebooks.py, on sys.path through book.py)
-import outputs  # noqa: E402  (tools/outputs.py)
+import runs  # noqa: E402  (tools/runs.py)
 
 
 def test_committed_notebooks_are_generated_from_the_sources():
@@ -48,9 +48,9 @@ def test_notebooks_are_self_contained(lang):
         assert [c.source for c in code[1:]] == \
             [c.source for c in jupytext.read(source).cells if c.cell_type == "code"]
         assert not code[0].outputs
-        # The outputs of the stored cpu run (tools/outputs.py), the English twin's.
+        # The outputs of the stored cpu run (tools/runs.py), the English twin's.
         en = ROOT / "chapters/en" / source.relative_to(ROOT / "chapters" / lang)
-        run = outputs.load(outputs.stored_path(
+        run = runs.load(runs.stored_path(
             en.relative_to(ROOT).with_suffix("").as_posix(), "cpu"))
         assert [c.outputs for c in code[1:]] == \
             [c.outputs for c in run.cells if c.cell_type == "code"], path

@@ -3,7 +3,7 @@
 A Chinese notebook has the same code cells as its English twin, comments aside
 (tests/test_parity.py), so it is not run a second time: it gets the outputs of the English
 run, cell by cell, after this file checks once more that the code is the same. The English
-runs, with their run records (tools/outputs.py), go where the book build looks for earlier
+runs, with their run records (tools/runs.py), go where the book build looks for earlier
 runs, so the test site shows outputs of real runs of exactly that code.
 """
 from __future__ import annotations
@@ -11,17 +11,17 @@ from __future__ import annotations
 import jupytext
 import pytest
 
-import outputs  # tools/outputs.py, on sys.path through book.py
-from book import ROOT, notebooks, with_outputs_of
+from book import ROOT, notebooks, with_outputs_of  # first: it puts tools/ on sys.path
+import runs  # noqa: E402  (tools/runs.py)
 from conftest import require_data
 
 NOTEBOOKS = notebooks("en") + notebooks("zh")
 
 
 def execute(path, **env):
-    """Execute a MyST notebook in a fresh kernel at the quick scale (tools/outputs.py)."""
+    """Execute a MyST notebook in a fresh kernel at the quick scale (tools/runs.py)."""
     env["DPBOOK_DATA"] = str(require_data().resolve())     # never download in tests
-    return outputs.execute(path, "quick", env, timeout=600, progress=False)
+    return runs.execute(path, "quick", env, timeout=600, progress=False)
 
 
 def outputs_text(nb) -> str:
@@ -50,7 +50,7 @@ def test_notebook_runs(path, book_out):
     assert "scale: quick" in text
     if path.is_relative_to(en):     # where the test build of the book looks for runs
         entry = path.relative_to(ROOT).with_suffix("").as_posix()
-        outputs.save(nb, outputs.stored_path(entry, "quick", book_out / "outputs"))
+        runs.save(nb, runs.stored_path(entry, "quick", book_out / "outputs"))
 
 
 # The from-scratch chapter must work for any number of devices, including 1 and a number

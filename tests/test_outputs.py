@@ -1,4 +1,4 @@
-"""The stored outputs (tools/outputs.py): every English notebook has a current run at the
+"""The stored outputs (tools/runs.py): every English notebook has a current run at the
 ``cpu`` scale, without an error, and the key notices what would make a run stale."""
 from __future__ import annotations
 
@@ -9,30 +9,30 @@ import jupytext
 import nbformat
 import pytest
 
-import outputs  # tools/outputs.py, on sys.path through book.py
-from book import ROOT, notebooks
+from book import ROOT, notebooks  # first: it puts tools/ on sys.path
+import runs  # noqa: E402  (tools/runs.py)
 
 ENTRIES = [p.relative_to(ROOT).with_suffix("").as_posix() for p in notebooks("en")]
 
 
 def test_every_stored_output_is_current_and_has_no_error():
     """What CI checks without executing anything. On failure: run `make outputs`."""
-    bad = outputs.problems("cpu")
-    message = "\n".join(f"  {outputs.stored_path(e, 'cpu').relative_to(ROOT)}: {'; '.join(r)}"
+    bad = runs.problems("cpu")
+    message = "\n".join(f"  {runs.stored_path(e, 'cpu').relative_to(ROOT)}: {'; '.join(r)}"
                         for e, r in bad.items())
     assert not bad, (f"stored outputs are not current:\n{message}\n"
-                     f"refresh them with `{outputs.REFRESH}` (it executes only these)")
+                     f"refresh them with `{runs.REFRESH}` (it executes only these)")
 
 
 def test_no_stored_output_without_its_notebook():
-    stored = {p.relative_to(outputs.STORE / "cpu").with_suffix("").as_posix()
-              for p in (outputs.STORE / "cpu").rglob("*.ipynb")}
+    stored = {p.relative_to(runs.STORE / "cpu").with_suffix("").as_posix()
+              for p in (runs.STORE / "cpu").rglob("*.ipynb")}
     assert stored == {e.removeprefix("chapters/en/") for e in ENTRIES}
 
 
 @pytest.mark.parametrize("entry", ENTRIES)
 def test_stored_run_is_a_cpu_run_with_its_hardware_line(entry):
-    nb = outputs.load(outputs.stored_path(entry, "cpu"))
+    nb = runs.load(runs.stored_path(entry, "cpu"))
     text = "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
                      for c in nb.cells for o in c.get("outputs", []))
     lines = [line for line in text.splitlines() if "hardware | " in line]
@@ -40,7 +40,7 @@ def test_stored_run_is_a_cpu_run_with_its_hardware_line(entry):
     assert "Traceback (most recent call last)" not in text
     record = nb.metadata["dpbook_run"]
     assert record["modules"], "a notebook of this book imports dpbook"
-    assert set(record["versions"]) <= set(outputs.FRAMEWORKS)
+    assert set(record["versions"]) <= set(runs.FRAMEWORKS)
 
 
 # The key: what must make a run stale, and what must not.
@@ -58,71 +58,71 @@ def f(x):
 def test_python_code_ignores_comments_docstrings_and_layout():
     same = MODULE.replace("# the answer", "# another comment").replace(
         '"""Return x + 1."""', '"""Add one."""').replace("x + 1", "(x\n            + 1)")
-    assert outputs.python_code(same) == outputs.python_code(MODULE)
+    assert runs.python_code(same) == runs.python_code(MODULE)
     for changed in (MODULE.replace("x + 1", "x + 2"), MODULE.replace("import os", "")):
-        assert outputs.python_code(changed) != outputs.python_code(MODULE)
+        assert runs.python_code(changed) != runs.python_code(MODULE)
 
 
 def test_code_digest_ignores_comments_only():
     nb = jupytext.read(ROOT / f"{ENTRIES[0]}.md")
     first = next(c for c in nb.cells if c.cell_type == "code")
-    digest = outputs.code_digest(nb)
+    digest = runs.code_digest(nb)
     first.source += "\n# a new comment"
-    assert outputs.code_digest(nb) == digest
+    assert runs.code_digest(nb) == digest
     first.source += "\nx = 1"
-    assert outputs.code_digest(nb) != digest
+    assert runs.code_digest(nb) != digest
 
 
 @pytest.fixture
 def stored_run():
     entry = "chapters/en/devices/pytorch"
-    return entry, outputs.load(outputs.stored_path(entry, "cpu"))
+    return entry, runs.load(runs.stored_path(entry, "cpu"))
 
 
 def test_a_changed_module_makes_the_run_stale(stored_run, tmp_path):
     entry, nb = stored_run
     code_root = tmp_path / "code"
-    shutil.copytree(outputs.CODE / "dpbook", code_root / "dpbook")
-    assert outputs.stale_reasons(nb, entry, "cpu", code_root) == []
+    shutil.copytree(runs.CODE / "dpbook", code_root / "dpbook")
+    assert runs.stale_reasons(nb, entry, "cpu", code_root) == []
     name = "dpbook.torch.devices"
     assert name in nb.metadata["dpbook_run"]["modules"]
-    path = outputs.module_file(name, code_root)
+    path = runs.module_file(name, code_root)
     text = path.read_text(encoding="utf8")
     path.write_text(text + "\n# only a comment\n", encoding="utf8")
-    assert outputs.stale_reasons(nb, entry, "cpu", code_root) == []
+    assert runs.stale_reasons(nb, entry, "cpu", code_root) == []
     path.write_text(text + "\nNEW_CONSTANT = 1\n", encoding="utf8")
-    assert outputs.stale_reasons(nb, entry, "cpu", code_root) == [f"{name} changed"]
+    assert runs.stale_reasons(nb, entry, "cpu", code_root) == [f"{name} changed"]
     path.unlink()
-    assert outputs.stale_reasons(nb, entry, "cpu", code_root) == [f"{name} is gone"]
+    assert runs.stale_reasons(nb, entry, "cpu", code_root) == [f"{name} is gone"]
 
 
 def test_a_changed_code_cell_makes_the_run_stale(stored_run, tmp_path, monkeypatch):
     entry, nb = stored_run
     source = tmp_path / "notebook.md"
-    text = outputs.english_source(entry).read_text(encoding="utf8")
+    text = runs.english_source(entry).read_text(encoding="utf8")
     source.write_text(text + "\n```{code-cell} ipython3\n# a comment\n```\n", encoding="utf8")
     monkeypatch.setattr(outputs, "english_source", lambda _: source)
-    assert outputs.stale_reasons(nb, entry, "cpu") == []     # a comment-only cell is no code
+    assert runs.stale_reasons(nb, entry, "cpu") == []     # a comment-only cell is no code
     source.write_text(text + "\n```{code-cell} ipython3\nx = 1\n```\n", encoding="utf8")
-    assert outputs.stale_reasons(nb, entry, "cpu") == ["its code cells changed"]
+    assert runs.stale_reasons(nb, entry, "cpu") == ["its code cells changed"]
 
 
 def test_other_settings_versions_or_errors_make_the_run_stale(stored_run, monkeypatch):
     entry, nb = stored_run
-    assert outputs.stale_reasons(nb, entry, "quick") == ["scale was 'cpu', now 'quick'"]
+    assert runs.stale_reasons(nb, entry, "quick") == ["scale was 'cpu', now 'quick'"]
     monkeypatch.setenv("DPBOOK_NUM_DEVICES", "4")
-    assert outputs.stale_reasons(nb, entry, "cpu") == ["num_devices was None, now '4'"]
+    assert runs.stale_reasons(nb, entry, "cpu") == ["num_devices was None, now '4'"]
     monkeypatch.delenv("DPBOOK_NUM_DEVICES")
     old = copy.deepcopy(nb)
     old.metadata["dpbook_run"]["versions"]["torch"] = "2.0.0"
-    assert outputs.stale_reasons(old, entry, "cpu") == \
-        [f"torch was 2.0.0, now {outputs.framework_version('torch')}"]
+    assert runs.stale_reasons(old, entry, "cpu") == \
+        [f"torch was 2.0.0, now {runs.framework_version('torch')}"]
     other_build = copy.deepcopy(nb)      # the same release, another wheel (+cpu, +cu128)
-    version = outputs.framework_version("torch").split("+")[0]
+    version = runs.framework_version("torch").split("+")[0]
     other_build.metadata["dpbook_run"]["versions"]["torch"] = version + "+cu128"
-    assert outputs.stale_reasons(other_build, entry, "cpu") == []
+    assert runs.stale_reasons(other_build, entry, "cpu") == []
     failed = copy.deepcopy(nb)
     cell = next(c for c in failed.cells if c.cell_type == "code")
     cell.outputs.append(nbformat.v4.new_output("error", ename="AssertionError", evalue="",
                                                traceback=[]))
-    assert outputs.errors(failed) == [f"cell {failed.cells.index(cell)}: AssertionError: "]
+    assert runs.errors(failed) == [f"cell {failed.cells.index(cell)}: AssertionError: "]

@@ -4,7 +4,7 @@
     DPBOOK_EXECUTE=all python tools/build_book.py   # execute every notebook again
     python tools/build_book.py --scale quick -W --out /tmp/book   # what the tests run
 
-Outputs come from runs the repository vouches for (tools/outputs.py): each English
+Outputs come from runs the repository vouches for (tools/runs.py): each English
 notebook shows its stored run in ``outputs/<scale>/`` when that run is current (same code
 cells, same ``dpbook`` code, same framework versions), else a current run from an
 earlier build (``<out>/outputs/<scale>/``); only the notebooks with neither are executed,
@@ -33,7 +33,7 @@ from pathlib import Path
 import jupytext
 import yaml
 
-import outputs  # tools/outputs.py
+import runs  # tools/runs.py
 from notebooks import EDITIONS, ROOT, notebook_entries, with_outputs_of  # tools/notebooks.py
 
 
@@ -96,10 +96,10 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--lang", choices=list(EDITIONS), action="append",
                         help="build only this edition (repeatable); default: both")
     args = parser.parse_args(argv)
-    scale = args.scale or outputs.default_scale()
+    scale = args.scale or runs.default_scale()
     out = args.out.resolve()
     langs = [lang for lang in EDITIONS if lang in (args.lang or EDITIONS)]  # en first
-    runs = outputs.ensure(scale, os.environ.get("DPBOOK_EXECUTE", "auto"),
+    runs = runs.ensure(scale, os.environ.get("DPBOOK_EXECUTE", "auto"),
                           build=out / "outputs")
     cache = fill_cache(out, scale, runs)
     html = {lang: build_edition(lang, scale, out, cache, args.strict) for lang in langs}

@@ -15,7 +15,7 @@ outside the book:
   the section they name.
 
 They carry the outputs of the stored run at the ``cpu`` scale (``outputs/cpu/``, see
-tools/outputs.py) when its code cells are those of the source, so a reader sees results
+tools/runs.py) when its code cells are those of the source, so a reader sees results
 before running anything; a Chinese notebook carries its English twin's.
 """
 from __future__ import annotations
@@ -199,10 +199,10 @@ OUTPUTS_SCALE = "cpu"     # the generated notebooks show the outputs of this sca
 
 
 def stored_run(entry: str) -> nbformat.NotebookNode | None:
-    """The stored run (tools/outputs.py) of ``entry``'s English twin, if there is one."""
-    import outputs
+    """The stored run (tools/runs.py) of ``entry``'s English twin, if there is one."""
+    import runs
     twin = re.sub(r"^chapters/\w+/", "chapters/en/", entry)
-    return outputs.load(outputs.stored_path(twin, OUTPUTS_SCALE))
+    return runs.load(runs.stored_path(twin, OUTPUTS_SCALE))
 
 
 def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:

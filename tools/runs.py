@@ -1,8 +1,8 @@
 """Executed outputs that travel with the sources, and the key that says they are current.
 
-    python tools/outputs.py                # refresh: execute the stale notebooks, write outputs/
-    python tools/outputs.py --check        # exit 1 naming every stale or failed output (CI)
-    python tools/outputs.py --list         # every notebook: current, stale (why) or missing
+    python tools/runs.py                # refresh: execute the stale notebooks, write outputs/
+    python tools/runs.py --check        # exit 1 naming every stale or failed output (CI)
+    python tools/runs.py --list         # every notebook: current, stale (why) or missing
 
 The English notebook ``chapters/en/<slug>/<name>.md`` executed at scale ``s`` is stored
 as ``outputs/<s>/<slug>/<name>.ipynb``, with its *run record* in the notebook's metadata
