@@ -100,9 +100,10 @@ def test_a_changed_code_cell_makes_the_run_stale(stored_run, tmp_path, monkeypat
     entry, nb = stored_run
     source = tmp_path / "notebook.md"
     text = runs.english_source(entry).read_text(encoding="utf8")
-    source.write_text(text + "\n```{code-cell} ipython3\n# a comment\n```\n", encoding="utf8")
-    monkeypatch.setattr(outputs, "english_source", lambda _: source)
-    assert runs.stale_reasons(nb, entry, "cpu") == []     # a comment-only cell is no code
+    monkeypatch.setattr(runs, "english_source", lambda _: source)
+    source.write_text(text.replace("```{code-cell} ipython3\n", "```{code-cell} ipython3\n"
+                                   "# a new comment\n", 1), encoding="utf8")
+    assert runs.stale_reasons(nb, entry, "cpu") == []
     source.write_text(text + "\n```{code-cell} ipython3\nx = 1\n```\n", encoding="utf8")
     assert runs.stale_reasons(nb, entry, "cpu") == ["its code cells changed"]
 
