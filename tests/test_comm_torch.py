@@ -50,6 +50,17 @@ def test_benchmark_times_functions_of_our_own():
                                 algorithms={"ring": allreduce.ring_allreduce, "max": maximum})
     assert [r["algorithm"] for r in bench["results"]] == ["ring", "max"]
     assert all(r["seconds"] > 0 and r["bytes"] == 2**20 for r in bench["results"])
+    assert [r["correct"] for r in bench["results"]] == [True, False]   # a max is no sum
+    assert no_children_left()
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_sums_the_same_finite_input_every_call():
+    """Each timed call starts from ones again (in-place results used to grow N-fold per
+    call and overflow), so every algorithm ends every call with the sum, N."""
+    bench = allreduce.benchmark(3, [2**12], repeats=40, timeout=100)
+    assert {r["algorithm"]: r["correct"] for r in bench["results"]} == \
+        dict.fromkeys(allreduce.ALGORITHMS, True)
     assert no_children_left()
     with pytest.raises(ValueError, match="unknown algorithm"):
         allreduce.benchmark(2, [2**20], names=["ring", "butterfly"])

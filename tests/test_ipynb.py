@@ -38,7 +38,7 @@ def test_notebooks_are_self_contained(lang):
     for path in sorted((notebooks.OUT / lang).rglob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-        leftovers = re.findall(r"\{(?:literalinclude|ref|numref|figure|doc)\}", text)
+        leftovers = re.findall(r"\{(?:literalinclude|ref|numref|figure|doc|glue[:\w]*)\}", text)
         assert not leftovers, (path, leftovers)
         assert "../../../" not in text, path
         # The same code cells as the source, after the install cell.

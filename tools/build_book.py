@@ -37,7 +37,7 @@ import runs  # tools/runs.py
 from notebooks import EDITIONS, ROOT, notebook_entries, with_outputs_of  # tools/notebooks.py
 
 
-def fill_cache(out: Path, scale: str, runs: dict) -> Path:
+def fill_cache(out: Path, scale: str, executed: dict) -> Path:
     """Put every notebook of both editions, with the outputs of its (English) run, into a
     new jupyter-cache for ``jb build``, so that ``jb`` executes none of them; return it.
 
@@ -48,7 +48,8 @@ def fill_cache(out: Path, scale: str, runs: dict) -> Path:
     from jupyter_cache import get_cache
     from jupyter_cache.base import CacheBundleIn
 
-    records = json.dumps([runs[e].metadata["dpbook_run"] for e in sorted(runs)], sort_keys=True)
+    records = json.dumps([executed[e].metadata["dpbook_run"] for e in sorted(executed)],
+                         sort_keys=True)
     cache = out / "cache" / f"{scale}-{hashlib.sha256(records.encode()).hexdigest()[:12]}"
     for old in (out / "cache").glob(f"{scale}-*"):
         shutil.rmtree(old, ignore_errors=True)
@@ -57,7 +58,7 @@ def fill_cache(out: Path, scale: str, runs: dict) -> Path:
         for entry in notebook_entries(lang):
             path = ROOT / f"{entry}.md"
             twin = entry.replace(f"chapters/{lang}/", "chapters/en/", 1)
-            nb = with_outputs_of(jupytext.read(path), runs[twin], entry)
+            nb = with_outputs_of(jupytext.read(path), executed[twin], entry)
             jc.cache_notebook_bundle(CacheBundleIn(nb, str(path)), overwrite=True)
     return cache
 
@@ -99,9 +100,9 @@ def main(argv: list[str] | None = None) -> Path:
     scale = args.scale or runs.default_scale()
     out = args.out.resolve()
     langs = [lang for lang in EDITIONS if lang in (args.lang or EDITIONS)]  # en first
-    runs = runs.ensure(scale, os.environ.get("DPBOOK_EXECUTE", "auto"),
-                          build=out / "outputs")
-    cache = fill_cache(out, scale, runs)
+    executed = runs.ensure(scale, os.environ.get("DPBOOK_EXECUTE", "auto"),
+                              build=out / "outputs")
+    cache = fill_cache(out, scale, executed)
     html = {lang: build_edition(lang, scale, out, cache, args.strict) for lang in langs}
 
     site = out / "site"

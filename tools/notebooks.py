@@ -12,7 +12,9 @@ outside the book:
   ``_config.yml``); ``dpbook`` does not depend on torch or jax, so pip never touches them;
 * ``literalinclude`` directives become the code they show (read from ``code/``);
 * figures point at the repository's raw files, and ``{ref}`` roles become the title of
-  the section they name.
+  the section they name;
+* a ``{glue:text}`` role (a number from the run, glued by ``dpbook.glue``) becomes the
+  value of the stored run, formatted as the role asks.
 
 They carry the outputs of the stored run at the ``cpu`` scale (``outputs/cpu/``, see
 tools/runs.py) when its code cells are those of the source, so a reader sees results
@@ -173,8 +175,33 @@ def label_titles(lang: str) -> dict[str, str]:
     return titles
 
 
-def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str]) -> str:
-    """A markdown cell's MyST, rewritten for plain Jupyter (see the module docstring)."""
+GLUE = re.compile(r"\{glue(?::text)?\}`(?P<key>[\w-]+)(?::(?P<spec>[^`]*))?`")
+GLUE_MIME = "application/papermill.record/text/plain"
+
+
+def glued(run: nbformat.NotebookNode | None) -> dict[str, str]:
+    """Every value a run glued (myst-nb's records in its outputs): name → text/plain."""
+    values = {}
+    for cell in run.cells if run is not None else []:
+        for out in cell.get("outputs", []):
+            name = out.get("metadata", {}).get("scrapbook", {}).get("name")
+            if name and GLUE_MIME in out.get("data", {}):
+                values[name] = out["data"][GLUE_MIME]
+    return values
+
+
+def paste(values: dict[str, str], key: str, spec: str | None) -> str:
+    """The text ``{glue:text}`key:spec``` shows, formatted as myst-nb does."""
+    from myst_nb.core.variables import format_plain_text
+    if key not in values:            # no current run: name the value instead
+        return f"`{key}`"
+    return format_plain_text(values[key], spec or "")
+
+
+def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str],
+                     values: dict[str, str] | None = None) -> str:
+    """A markdown cell's MyST, rewritten for plain Jupyter (see the module docstring);
+    ``values``: what the stored run glued."""
     def directive(m: re.Match) -> str:
         name, arg, body = m["name"], m["arg"].strip(), m["body"]
         options = dict(re.findall(r"^:([\w-]+):\s*(.*)$", body, re.M))
@@ -192,6 +219,7 @@ def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str])
 
     text = FENCE.sub(directive, text)
     text = ROLE.sub(lambda m: f"*{titles.get(m['label'], m['label'])}*", text)
+    text = GLUE.sub(lambda m: paste(values or {}, m["key"], m["spec"]), text)
     return re.sub(r"^\([\w-]+\)=[ \t]*\n", "", text, flags=re.M)   # drop (label)= lines
 
 
@@ -210,17 +238,18 @@ def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:
     of its stored run when the code is the same."""
     source = ROOT / f"{entry}.md"
     nb = jupytext.read(source)
-    run = stored_run(entry)
+    run, values = stored_run(entry), {}
     if run is not None:
         try:
             nb = with_outputs_of(nb, run, entry)
+            values = glued(run)
         except ValueError:          # the code changed since that run: no outputs
             pass
     titles = label_titles(lang)
     cells = []
     for cell in nb.cells:
         if cell.cell_type == "markdown":
-            cell.source = convert_markdown(cell.source, source, lang, titles)
+            cell.source = convert_markdown(cell.source, source, lang, titles, values)
         cell.metadata = {k: v for k, v in cell.metadata.items() if k == "tags"}
         cells.append(cell)
     install = nbformat.v4.new_code_cell(

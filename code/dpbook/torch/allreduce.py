@@ -60,7 +60,7 @@ def naive_allreduce(x: torch.Tensor) -> torch.Tensor:
     """Everything to rank 0, which adds it up and sends the sum to everybody."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if rank == 0:
-        buffer = torch.empty_like(x)
+        buffer = _receive_buffer(x.numel(), x.dtype, x.device)
         for src in range(1, world_size):         # N - 1 messages of n bytes, one by one
             dist.recv(buffer, src)
             x += buffer
@@ -75,7 +75,8 @@ def naive_allreduce(x: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=4)
 def _receive_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A receive buffer of ``numel`` elements, kept from call to call (as gloo and NCCL
-    keep theirs): fresh memory on every call would cost page faults every time."""
+    keep theirs): fresh memory on every call would cost page faults every time. All three
+    algorithms use it, so the benchmark compares algorithms, not allocation policies."""
     return torch.empty(numel, dtype=dtype, device=device)
 
 
@@ -117,7 +118,7 @@ def tree_allreduce(x: torch.Tensor) -> torch.Tensor:
     sum to r - d and drops out; r % 2d == 0 receives from r + d (if it exists) and adds.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    buffer = torch.empty_like(x)
+    buffer = _receive_buffer(x.numel(), x.dtype, x.device)
     distance = 1
     while distance < world_size:                  # reduce: half the senders drop out
         if rank % (2 * distance) == distance:
@@ -193,29 +194,35 @@ def bench_worker(rank: int, world_size: int,
 
     One warm-up call of each algorithm, then ``repeats`` rounds in which every algorithm
     runs once in turn (so a slow moment of the machine hits all of them, not just the one
-    that happened to be running). Each call is started together (barrier) and timed by
-    the slowest rank; the median over the rounds is kept.
+    that happened to be running). Each call starts from the same input (ones, restored
+    before the clock starts), is started together (barrier) and timed by the slowest
+    rank; the median over the rounds is kept.
     """
     init_process(rank, world_size)
     try:
         torch.set_num_threads(1)
         results = []
         for nbytes in sizes:
-            x = torch.ones(nbytes // 4)
+            data = torch.ones(nbytes // 4)
+            x = data.clone()                  # an allreduce works in place: x grows N-fold
             times: dict[str, list[float]] = {label: [] for label in algorithms}
+            correct = dict.fromkeys(algorithms, True)
             for fn in algorithms.values():
+                x.copy_(data)
                 fn(x)                                     # warm-up (connections, caches)
             for _ in range(repeats):
                 for label, fn in algorithms.items():
+                    x.copy_(data)             # every call sums ones: the sum stays N, finite
                     dist.barrier()
                     tik = time.perf_counter()
                     fn(x)
                     took = torch.tensor([time.perf_counter() - tik], dtype=torch.float64)
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
                     times[label].append(took.item())
+                    correct[label] &= bool((x == world_size).all())   # after the clock
             results += [{"algorithm": label, "processes": world_size, "bytes": nbytes,
-                         "seconds": statistics.median(times[label])}
-                        for label in algorithms]
+                         "seconds": statistics.median(times[label]),
+                         "correct": correct[label]} for label in algorithms]
         if rank == 0:
             Path(out).write_text(json.dumps(
                 {"results": results, "hardware": hardware_line([torch.device("cpu")] *
@@ -237,8 +244,8 @@ def benchmark(nprocs: int, sizes: Sequence[int], names: Sequence[str] = tuple(AL
               algorithms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None
               ) -> dict:
     """Median seconds per allreduce of each algorithm and size (bytes) on ``nprocs``
-    processes: ``{"results": [{"algorithm", "processes", "bytes", "seconds"}, …],
-    "hardware": …}``.
+    processes: ``{"results": [{"algorithm", "processes", "bytes", "seconds", "correct"}, …],
+    "hardware": …}`` (``correct``: every timed call on this rank ended with the sum).
 
     ``names`` picks from ``ALGORITHMS``; or pass ``algorithms``, label → function, to
     time functions of your own. The functions travel to the worker processes by
