@@ -32,8 +32,9 @@ ALLOWED = {
     ("communication/parameter-server", "0.05"): "exercise 3: learning rates to try",
 }
 
-# A decimal number (1.5, 0.02) or a percentage (12%, 99.9 %), not part of a longer token.
-NUMBER = re.compile(r"(?<![\w.])(?:\d+(?:\.\d+)?\s?%|\d+\.\d+)(?!\d|\.\d)")
+# A decimal number (1.5, 0.02) or a percentage (12%, 99.9 %), not part of a longer token
+# (ASCII only: in Chinese text a number follows a character without a space, 均值0.286).
+NUMBER = re.compile(r"(?<![A-Za-z0-9_.])(?:\d+(?:\.\d+)?\s?%|\d+\.\d+)(?!\d|\.\d)")
 
 
 def prose_and_code(path) -> tuple[str, str]:
@@ -81,9 +82,9 @@ def test_prose_numbers_are_glued_or_sourced(path):
 def test_a_bare_number_is_caught(tmp_path):
     page = tmp_path / "communication" / "page.md"
     page.parent.mkdir()
-    page.write_text("The 2-GPU run reaches 0.73 and keeps 95% of its speed; "
+    page.write_text("The 2-GPU run reaches 0.73 and keeps 95% of its speed; 精度为0.88。"
                     "{glue:text}`acc:.2f` and $0.5$ and `0.25` are fine.\n", encoding="utf8")
-    assert [f.split()[0] for f in bare_numbers(page)] == ["'0.73'", "'95%'"]
+    assert [f.split()[0] for f in bare_numbers(page)] == ["'0.73'", "'95%'", "'0.88'"]
 
 
 def test_allowlist_entries_are_still_needed():

@@ -47,9 +47,8 @@ def conv2d(X: jax.Array, W: jax.Array, b: jax.Array) -> jax.Array:
 
     Each of the kh·kw kernel offsets contributes one shifted slice of ``X``; stacking them
     turns the convolution into a single matrix product. It equals
-    ``lax.conv_general_dilated`` (checked in the tests), and on a CPU its gradient is
-    about twice as fast, because XLA's CPU backend computes the weight gradient of a
-    convolution slowly.
+    ``lax.conv_general_dilated`` (checked in the tests); which of the two computes the
+    gradient faster depends on the machine and XLA's CPU backend (the chapter times both).
     """
     kh, kw, c_in, c_out = W.shape
     h, w = X.shape[1] - kh + 1, X.shape[2] - kw + 1
