@@ -116,7 +116,7 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     The data size and (by default) the epochs come from ``scale``. Parameters start from
     ``init_lenet_params(seed)``, so runs with different device counts are comparable.
     The images are standardized (mean 0, variance 1). The learning rate rises linearly
-    to ``lr`` over the first tenth of the steps (warm-up), then decays to nearly 0 along
+    to ``lr`` over the first fifth of the steps (warm-up), then decays to nearly 0 along
     a cosine (:func:`dpbook.cosine_lr`), so the last epochs settle instead of jumping
     around.
     Returns the run's results: test accuracy, seconds per epoch, the curves and the
@@ -134,7 +134,7 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
         animator = training_animator(
             num_epochs, f"{num_devices} device(s), batch {batch_size}, lr {lr}")
     timer, step, num_steps = Timer(start=False), 0, num_epochs * len(train_iter)
-    warmup_steps = num_steps // 10
+    warmup_steps = num_steps // 5     # as in dpbook.jax.scratch.train
     for epoch in range(num_epochs):
         metric = Accumulator(2)      # summed loss, examples
         timer.start()
