@@ -6,6 +6,9 @@
 * Markers ``gpu``, ``multigpu`` and ``slow`` skip with a reason naming what is missing.
 * Without Fashion-MNIST the tests that need it skip, saying why; with
   ``DPBOOK_REQUIRE_DATA=1`` (set by ``.ci/run``) they fail instead.
+* Tests marked ``multiprocess`` fail if a process they started is still alive afterwards.
+
+Helpers the test modules import live in ``tests/helpers.py`` (a plain module, not this one).
 """
 from __future__ import annotations
 
@@ -15,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import dpbook
+import helpers
+from helpers import NUM_JAX_DEVICES, live_children, no_children_left, require_data
 
-ROOT = Path(__file__).resolve().parent.parent
-NUM_JAX_DEVICES = 8
 dpbook.emulate_cpu_devices(NUM_JAX_DEVICES)
 os.environ.setdefault("DPBOOK_SCALE", "quick")
 os.environ.setdefault("MPLBACKEND", "Agg")
@@ -65,28 +68,6 @@ def pytest_collection_modifyitems(config, items):
                     reason=f"needs {need} CUDA GPU(s); torch.cuda.device_count() is {num_gpus}"))
 
 
-def shared_data_dir() -> Path | None:
-    """A folder with valid Fashion-MNIST files, or None: $DPBOOK_DATA, then ../shared."""
-    candidates = [os.environ.get("DPBOOK_DATA"), ROOT.parent / "shared" / "fashion-mnist"]
-    for c in candidates:
-        if c and all((Path(c) / name).is_file() for name in dpbook.data.FILES):
-            return Path(c)
-    return None
-
-
-def require_data() -> Path:
-    """The dataset folder; without one, skip the calling test (saying why), or fail it
-    when ``DPBOOK_REQUIRE_DATA=1`` — tests never download."""
-    folder = shared_data_dir()
-    if folder is None:
-        why = ("Fashion-MNIST not found: set DPBOOK_DATA to a folder with the four "
-               "official .gz files (tests never download)")
-        if os.environ.get("DPBOOK_REQUIRE_DATA") == "1":
-            pytest.fail(why + "; DPBOOK_REQUIRE_DATA=1 forbids skipping", pytrace=False)
-        pytest.skip(why)
-    return folder
-
-
 @pytest.fixture(scope="session")
 def fashion_mnist_dir() -> Path:
     """The real dataset (see :func:`require_data`)."""
@@ -115,7 +96,7 @@ def site(book_out) -> Path:
     import sys
     if os.environ.get("DPBOOK_TEST_SITE"):
         return Path(os.environ["DPBOOK_TEST_SITE"]).resolve()
-    result = subprocess.run([sys.executable, str(ROOT / "tools/build_book.py"),
+    result = subprocess.run([sys.executable, str(helpers.ROOT / "tools/build_book.py"),
                              "--scale", "quick", "-W", "--out", str(book_out)],
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, (result.stdout[-4000:] + result.stderr[-4000:])
@@ -123,27 +104,13 @@ def site(book_out) -> Path:
     return book_out / "site"
 
 
-def live_children(exclude: set[int] = frozenset()) -> list:
-    """This process's live descendants, except the PIDs in ``exclude`` and multiprocessing's
-    resource tracker (one per parent process, kept until the parent exits, by design)."""
-    import psutil
-    alive = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if (p.pid not in exclude and p.status() != psutil.STATUS_ZOMBIE
-                    and not any("resource_tracker" in part for part in p.cmdline())):
-                alive.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def no_children_left(timeout: float = 10, exclude: set[int] = frozenset()) -> bool:
-    """True once no process started by this one (outside ``exclude``) is alive."""
-    import time
-    deadline = time.monotonic() + timeout
-    while live_children(exclude):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
+@pytest.fixture(autouse=True)
+def _no_leftover_processes(request):
+    """Under the ``multiprocess`` marker: the test fails if a process it started (a
+    worker, a torchrun agent, a server) is still alive a few seconds after it ended."""
+    if request.node.get_closest_marker("multiprocess") is None:
+        yield
+        return
+    before = {p.pid for p in live_children()}
+    yield
+    assert no_children_left(exclude=before), [p.cmdline() for p in live_children(before)]

@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from dpbook import costmodel
 from dpbook.torch import aggregate, allreduce, compression, ddp
+from dpbook.torch.dist import process_group, run
 
-from conftest import no_children_left
+pytestmark = pytest.mark.multiprocess     # every test leaves no process behind
 
 
 # ---------------------------------------------------------------- allreduce, processes
@@ -24,7 +25,6 @@ def test_every_allreduce_equals_the_true_sum(nprocs):
     # from 1 element (most chunks empty) to 16 MB, mostly sizes that do not divide evenly
     errors = allreduce.check(nprocs, sizes=(1, 3, 7, 1001, 4099, 4_000_003), timeout=150)
     assert errors == {name: 0.0 for name in allreduce.ALGORITHMS}
-    assert no_children_left()
 
 
 @pytest.mark.timeout(240)
@@ -40,7 +40,6 @@ def test_hand_written_ring_keeps_up_with_gloo_at_16_mb():
              / costmodel.bus_bandwidth(2**24, t["all_reduce"], 2))
     print(f"ring / all_reduce bus bandwidth at 16 MB, 2 processes: {ratio:.2f}")
     assert ratio >= 0.8, t
-    assert no_children_left()
 
 
 @pytest.mark.timeout(120)
@@ -51,7 +50,6 @@ def test_benchmark_times_functions_of_our_own():
     assert [r["algorithm"] for r in bench["results"]] == ["ring", "max"]
     assert all(r["seconds"] > 0 and r["bytes"] == 2**20 for r in bench["results"])
     assert [r["correct"] for r in bench["results"]] == [True, False]   # a max is no sum
-    assert no_children_left()
 
 
 @pytest.mark.timeout(120)
@@ -61,36 +59,8 @@ def test_benchmark_sums_the_same_finite_input_every_call():
     bench = allreduce.benchmark(3, [2**12], repeats=40, timeout=100)
     assert {r["algorithm"]: r["correct"] for r in bench["results"]} == \
         dict.fromkeys(allreduce.ALGORITHMS, True)
-    assert no_children_left()
     with pytest.raises(ValueError, match="unknown algorithm"):
         allreduce.benchmark(2, [2**20], names=["ring", "butterfly"])
-
-
-# ---------------------------------------------------------------- cost model
-
-def test_coefficients_of_the_three_algorithms():
-    assert costmodel.coefficients("naive", 4) == (6, 6)
-    assert costmodel.coefficients("ring", 4) == (6, 1.5)
-    assert costmodel.coefficients("tree", 4) == (4, 4)
-    assert costmodel.coefficients("tree", 5) == (6, 6)       # ceil(log2 5) = 3
-    with pytest.raises(ValueError, match="unknown algorithm"):
-        costmodel.coefficients("butterfly", 4)
-
-
-def test_fit_recovers_alpha_and_beta():
-    alpha, beta = 50e-6, 1 / 2e9
-    data = [{"algorithm": a, "processes": n, "bytes": b,
-             "seconds": costmodel.predict(a, b, n, alpha, beta)}
-            for a in costmodel.ALGORITHMS for n in (2, 3, 4) for b in (1e3, 1e5, 1e7)]
-    fitted = costmodel.fit(data)
-    assert fitted == pytest.approx((alpha, beta), rel=1e-6)
-
-
-def test_bus_bandwidth_of_a_ring_does_not_depend_on_n():
-    beta = 1 / 10e9
-    for n in (2, 4, 8):
-        t = costmodel.predict("ring", 1e8, n, 0.0, beta)
-        assert costmodel.bus_bandwidth(1e8, t, n) == pytest.approx(10e9)
 
 
 # ---------------------------------------------------------------- where to aggregate
@@ -166,7 +136,6 @@ def test_two_bit_hook_trains_a_tiny_problem(fashion_mnist_dir):
     assert packed["test_acc"] > 0.5, packed                  # chance is 0.1
     assert packed["test_acc"] > plain["test_acc"] - 0.1, (plain, packed)
     assert 15 < plain["bytes_sent"] / packed["bytes_sent"] < 17
-    assert no_children_left()
 
 
 # A model whose gradients fill several DDP buckets (bucket_cap_mb below), in an order DDP
@@ -191,9 +160,7 @@ def _two_bit_batches():
 def _two_bit_worker(rank, world_size, out):
     import json
     from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp.init_process(rank, world_size)
-    try:
-        torch.set_num_threads(1)
+    with process_group(rank, world_size):
         net = _several_buckets_net()
         model = DDP(net, bucket_cap_mb=TWO_BIT["bucket_cap_mb"])
         state = compression.TwoBitState(TWO_BIT["threshold"])
@@ -212,8 +179,6 @@ def _two_bit_worker(rank, world_size, out):
                            "params": [p.tolist() for p in net.parameters()],
                            "residuals": [state.residuals[p].tolist() for p in net.parameters()]},
                           f)
-    finally:
-        dist.destroy_process_group()
 
 
 def _two_bit_reference(world_size):
@@ -246,7 +211,7 @@ def _two_bit_reference(world_size):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_two_bit_hook_residuals_follow_parameters_across_buckets(nprocs):
-    got = ddp.run(_two_bit_worker, nprocs, timeout=100)
+    got = run(_two_bit_worker, nprocs, timeout=100)
     first, rebuilt = got["buckets"]     # here: one bucket in step 1, then two other ones
     assert first != rebuilt and len(rebuilt.split(",")) >= 2, got["buckets"]
     params, residuals = _two_bit_reference(nprocs)
@@ -255,30 +220,11 @@ def test_two_bit_hook_residuals_follow_parameters_across_buckets(nprocs):
         torch.testing.assert_close(torch.tensor(mine), ref, atol=1e-6, rtol=0)
     for mine, ref in zip(got["params"], params):
         torch.testing.assert_close(torch.tensor(mine), ref, atol=1e-6, rtol=0)
-    assert no_children_left()
 
 
 def test_unknown_comm_hook_is_refused():
     with pytest.raises(ValueError, match="unknown comm_hook"):
         ddp.register_comm_hook(None, "1bit")
-
-
-def test_on_a_shared_medium_every_algorithm_moves_the_same_bytes():
-    for n in (2, 3, 4, 8):
-        totals = {costmodel.coefficients(a, n, links="shared")[1] for a in costmodel.ALGORITHMS}
-        assert totals == {2 * (n - 1)}
-    # ... which is what the ring's processes send together on separate links
-    assert costmodel.coefficients("ring", 4)[1] * 4 == 2 * 3
-    with pytest.raises(ValueError, match="links must be"):
-        costmodel.coefficients("ring", 4, links="wireless")
-
-
-def test_relative_error_is_zero_for_the_model_itself():
-    data = [{"algorithm": "tree", "processes": 4, "bytes": b,
-             "seconds": costmodel.predict("tree", b, 4, 1e-4, 1e-9, "shared")}
-            for b in (1e3, 1e6)]
-    assert costmodel.relative_error(data, 1e-4, 1e-9, "shared") == pytest.approx(0, abs=1e-12)
-    assert costmodel.fit(data, "shared") == pytest.approx((1e-4, 1e-9), rel=1e-6)
 
 
 # ---------------------------------------------------------------- unequal devices
@@ -316,6 +262,5 @@ def test_weighted_split_takes_the_same_step_and_is_faster_with_a_slow_device():
     assert 16 <= small <= 48, r["weighted"]["sizes"]          # about a quarter
     assert r["max_param_difference"] < 1e-5                   # the same SGD steps
     assert r["weighted"]["step_seconds"] < 0.9 * r["even"]["step_seconds"], r
-    assert no_children_left()
     with pytest.raises(ValueError, match="slowdowns must be >= 1"):
         unequal.compare_splits([1, 0.5])

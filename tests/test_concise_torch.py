@@ -2,18 +2,22 @@
 (dpbook.torch.ddp, several gloo processes on loopback)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from conftest import no_children_left
 from dpbook import torch as dp
-from dpbook.torch import concise, ddp
+from dpbook.torch import concise, ddp, ddp_check, dist
+
+pytestmark = pytest.mark.multiprocess     # every test leaves no process behind
 
 CPU = torch.device("cpu")
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(),
@@ -46,7 +50,7 @@ def test_evaluate_accuracy_gpus_equals_one_device(k):
     net = dp.resnet18(width=4)
     net.train()
     data = [(torch.rand(10, 1, 28, 28), torch.randint(0, 10, (10,))) for _ in range(3)]
-    acc = concise.evaluate_accuracy_gpus(net, data, [CPU] * k)
+    acc = dp.evaluate_accuracy_gpus(net, data, [CPU] * k)
     assert acc == pytest.approx(dp.evaluate_accuracy(net, data, CPU))
     assert net.training, "the network's mode is restored"
 
@@ -60,10 +64,10 @@ def test_train_smoke_same_init_same_losses_on_cpu(fashion_mnist_dir):
                           animator=dp.Animator(legend=["train loss", "test acc"], path=False,
                                                live=False)) for k in (1, 2)]
     for r in runs:
-        assert len(r["epoch_times"]) == scale.resnet_epochs and 0.1 <= r["test_acc"] <= 1
-        assert "devices (" in r["hardware"]
+        assert len(r.epoch_times) == scale.resnet_epochs and 0.1 <= r.test_acc <= 1
+        assert "devices (" in r.hardware
     if not torch.cuda.is_available():   # on a CPU both runs are the same computation
-        assert runs[0]["train_loss"] == pytest.approx(runs[1]["train_loss"], rel=1e-6)
+        assert runs[0].train_loss == pytest.approx(runs[1].train_loss, rel=1e-6)
 
 
 # --- DistributedDataParallel: real processes, gloo on loopback -------------------------
@@ -71,15 +75,14 @@ def test_train_smoke_same_init_same_losses_on_cpu(fashion_mnist_dir):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("nprocs, batch_size", [(2, 64), (3, 48)])
 def test_ddp_step_equals_single_process_step(nprocs, batch_size):
-    diff = ddp.ddp_step_difference(nprocs, "lenet", batch_size=batch_size)
+    diff = ddp_check.ddp_step_difference(nprocs, "lenet", batch_size=batch_size)
     assert diff["whole"] < 1e-6     # DDP averages the same gradients; float32 rounding only
     assert diff["shards"] < 1e-6    # without BatchNorm, shards change nothing
-    assert no_children_left()
 
 
 @pytest.mark.timeout(300)
 def test_ddp_with_batchnorm_normalizes_each_shard():
-    diff = ddp.ddp_step_difference(2, "resnet18", batch_size=32)
+    diff = ddp_check.ddp_step_difference(2, "resnet18", batch_size=32)
     assert diff["shards"] < 1e-5 < diff["whole"]   # local BatchNorm statistics per process
 
 
@@ -96,7 +99,38 @@ def test_spawn_train_checkpoint_and_resume(fashion_mnist_dir, tmp_path):
     resumed = ddp.spawn_train(2, ddp.Config(**{**cfg.__dict__, "epochs": 2, "resume": True}))
     assert [h["epoch"] for h in resumed["history"]] == [2]     # epoch 1 is not redone
     assert torch.load(ckpt)["epoch"] == 2
-    assert no_children_left()
+
+
+def test_script_flags_round_trip():
+    """The script's command line is written out; Config.to_args is its inverse."""
+    fields = {f.name for f in dataclasses.fields(ddp.Config)}
+    defaults = vars(ddp.parser().parse_args([]))
+    assert defaults.pop("nprocs") is None and set(defaults) == fields
+    assert ddp.Config(**defaults) == ddp.Config()
+    cfg = ddp.Config(model="lenet", batch_size=64, lr=0.3, epochs=2, scale="quick",
+                     resume=True, comm_hook="2bit", threshold=0.02, data="/data", crash_rank=1)
+    args = vars(ddp.parser().parse_args(cfg.to_args()))
+    args.pop("nprocs")
+    assert ddp.Config(**args) == cfg
+    with pytest.raises(SystemExit):
+        ddp.parser().parse_args(["--model", "vgg"])        # a typo fails at once
+
+
+def _leaves_on_error(rank, world_size, out):
+    import torch.distributed
+    try:
+        with dist.process_group(rank, world_size):
+            assert torch.distributed.is_initialized()
+            raise KeyError("inside the block")
+    except KeyError:
+        pass
+    if rank == 0:
+        Path(out).write_text(json.dumps(torch.distributed.is_initialized()))
+
+
+@pytest.mark.timeout(120)
+def test_process_group_is_left_even_on_error():
+    assert dist.run(_leaves_on_error, 2, timeout=60) is False
 
 
 def _sleeper(rank, world_size):
@@ -110,19 +144,17 @@ def _failer(rank, world_size):
 
 
 @pytest.mark.timeout(120)
-def test_launch_times_out_and_reaps():
+def test_spawn_times_out_and_reaps():
     tik = time.monotonic()
     with pytest.raises(TimeoutError):
-        ddp.launch(_sleeper, 2, timeout=3)
+        dist.spawn(_sleeper, 2, timeout=3)
     assert time.monotonic() - tik < 30
-    assert no_children_left()
 
 
 @pytest.mark.timeout(120)
-def test_launch_reports_a_failing_worker_and_reaps():
+def test_spawn_reports_a_failing_worker_and_reaps():
     with pytest.raises(Exception, match="worker 1 fails on purpose"):
-        ddp.launch(_failer, 2, timeout=60)
-    assert no_children_left()
+        dist.spawn(_failer, 2, timeout=60)
 
 
 @pytest.mark.timeout(300)
@@ -141,4 +173,4 @@ def test_torchrun_command_line(fashion_mnist_dir):
 @pytest.mark.timeout(120)
 def test_sync_batchnorm_needs_a_gpu():
     """Sentinel: SyncBatchNorm refuses CPU tensors (the chapter says it is GPU only)."""
-    assert "GPU" in ddp.sync_batchnorm_status(2)
+    assert "GPU" in ddp_check.sync_batchnorm_status(2)

@@ -259,3 +259,34 @@ def test_cosine_lr_warms_up_linearly_then_decays():
     for bad in (-1, 100):
         with pytest.raises(ValueError, match="warmup_steps"):
             dpbook.cosine_lr(0.6, 0, 100, warmup_steps=bad)
+
+
+# --- versions: a chapter's first import says which package is too old -------------------
+
+def test_version_parsing_and_messages():
+    from dpbook import versions
+    assert versions.parse("2.13.0+cpu") == (2, 13, 0)
+    assert versions.parse("0.8.0rc1") == (0, 8, 0)
+    assert versions.too_old("jax", "0.10.2") is None
+    message = versions.too_old("jax", "0.7.2")
+    assert message.startswith("dpbook needs jax >= 0.8.0 (this is 0.7.2")
+    assert "pip install -U 'jax>=0.8.0'" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("package, module", [("torch", "dpbook.torch"), ("jax", "dpbook.jax"),
+                                             ("flax", "dpbook.jax"), ("optax", "dpbook.jax")])
+def test_importing_with_an_old_release_says_how_to_upgrade(tmp_path, package, module):
+    """A fake, old distribution of ``package`` comes first on the path: importing the
+    chapters' module fails with the one-line upgrade message, not later with an
+    AttributeError; DPBOOK_IGNORE_VERSIONS=1 lets a reader try anyway."""
+    info = tmp_path / f"{package}-0.0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.0.1\n")
+    out = run_python(f"import {module}", PYTHONPATH=str(tmp_path))
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"dpbook.versions.VersionError: dpbook needs {package} >= "), last
+    assert "(this is 0.0.1; " in last and f"pip install -U '{package}>=" in last
+    versions_ok = run_python(f"import {module}", PYTHONPATH=str(tmp_path),
+                             DPBOOK_IGNORE_VERSIONS="1")
+    assert versions_ok.returncode == 0, versions_ok.stderr[-2000:]

@@ -1,16 +1,14 @@
 """Fashion-MNIST fetching and reading, on local folders and a loopback mirror only."""
 from __future__ import annotations
 
-import functools
 import gzip
 import hashlib
-import http.server
-import threading
 
 import numpy as np
 import pytest
 
 from dpbook import data
+from helpers import serve_folder
 
 DEAD_MIRROR = "http://127.0.0.1:9/"   # the discard port: connection refused, no network
 
@@ -45,18 +43,8 @@ def mirror(fake_dataset):
     """Serve the fake files over HTTP on 127.0.0.1, counting requests."""
     source, _ = fake_dataset
     requests = []
-
-    class Handler(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            requests.append(self.path)
-
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(Handler, directory=str(source)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/", requests
-    server.shutdown()
-    server.server_close()
+    with serve_folder(source, requests) as url:
+        yield url, requests
 
 
 def test_data_dir(monkeypatch, tmp_path):

@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import NUM_JAX_DEVICES
 from dpbook import jax as dp
 from dpbook.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD
-from test_torch import PARAMS, RESNET18_PARAMS
+from dpbook.jax.data import random_batch
+from helpers import NUM_JAX_DEVICES, PARAMS, RESNET18_PARAMS   # the PyTorch models' sizes
 
 
 def test_emulated_devices():
@@ -43,6 +43,20 @@ def test_split_batch_places_shards():
     np.testing.assert_array_equal(np.concatenate([np.asarray(x) for x in Xs]), X)
     with pytest.raises(ValueError, match="batch of 3"):
         dp.split_batch(X[:3], y[:3], devices)
+
+
+def test_split_batch_by_weights():
+    X, y = np.arange(256.0).reshape(128, 2), np.arange(128)
+    devices = jax.devices()[:2]
+    Xs, ys = dp.split_batch(X, y, devices, weights=[3, 1])
+    assert [len(x) for x in Xs] == [96, 32] == dp.split_sizes(128, 2, weights=[3, 1])
+    assert [x.devices() for x in Xs] == [{d} for d in devices]
+    assert [t.devices() for t in ys] == [{d} for d in devices]
+    np.testing.assert_array_equal(np.concatenate([np.asarray(t) for t in ys]), y)  # in order
+    with pytest.raises(ValueError, match="positive, finite weights"):
+        dp.split_batch(X, y, devices, weights=[1, 0])
+    with pytest.raises(ValueError, match="positive, finite weights"):
+        dp.split_batch(X, y, devices, weights=[1, 1, 1])
 
 
 @pytest.mark.parametrize("name, cls", [("lenet", dp.LeNet), ("lenet5", dp.LeNet5)])
@@ -102,3 +116,19 @@ def test_load_data_fashion_mnist(fashion_mnist_dir):
                                              normalize=True)
     np.testing.assert_allclose(next(iter(standard))[0],
                                (X - FASHION_MNIST_MEAN) / FASHION_MNIST_STD, rtol=1e-6, atol=1e-6)
+
+
+def test_random_batch():
+    X, y = random_batch(16, seed=3)
+    assert X.shape == (16, 28, 28, 1) and X.dtype == np.float32 and y.dtype == np.int32
+    assert 0 <= X.min() and X.max() < 1 and 0 <= y.min() and y.max() <= 9
+    again, _ = random_batch(16, seed=3)
+    other, _ = random_batch(16, seed=4)
+    np.testing.assert_array_equal(X, again)                  # fixed by the seed
+    assert not np.array_equal(X, other)
+
+
+def test_evaluate_accuracy_counts_every_example():
+    batches = [(np.zeros((4, 1)), np.array([0, 1, 2, 3])), (np.zeros((2, 1)), np.array([5, 5]))]
+    always_five = lambda X: jnp.full(len(X), 5)        # right on 2 of the 6 examples
+    assert dp.evaluate_accuracy(always_five, batches) == pytest.approx(2 / 6)

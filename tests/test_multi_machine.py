@@ -11,19 +11,12 @@ import time
 import psutil
 import pytest
 
-from conftest import live_children, no_children_left
 from dpbook import launch
-from dpbook.torch import ddp
+from dpbook.torch import ddp, ddp_check, dist
+
+pytestmark = pytest.mark.multiprocess     # every test leaves no process behind
 
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
-
-
-@pytest.fixture
-def no_leftovers():
-    """Fails the test if a process started during it is still alive afterwards."""
-    before = {p.pid for p in live_children()}
-    yield
-    assert no_children_left(exclude=before), [p.cmdline() for p in live_children(before)]
 
 
 def _sessions_alive(results) -> list[int]:
@@ -44,7 +37,7 @@ PY = sys.executable
 
 
 @pytest.mark.timeout(60)
-def test_run_local_returns_every_output(no_leftovers):
+def test_run_local_returns_every_output():
     results = launch.run_local([[PY, "-c", f"print('hello from {i}')"] for i in range(3)],
                                timeout=30)
     assert [r.output.strip() for r in results] == [f"hello from {i}" for i in range(3)]
@@ -52,7 +45,7 @@ def test_run_local_returns_every_output(no_leftovers):
 
 
 @pytest.mark.timeout(60)
-def test_run_local_kills_everything_when_one_fails(no_leftovers):
+def test_run_local_kills_everything_when_one_fails():
     sleeper = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
               "'import time; time.sleep(60)']); time.sleep(60)"
     start = time.monotonic()
@@ -65,7 +58,7 @@ def test_run_local_kills_everything_when_one_fails(no_leftovers):
 
 
 @pytest.mark.timeout(60)
-def test_run_local_time_bound(no_leftovers):
+def test_run_local_time_bound():
     start = time.monotonic()
     with pytest.raises(launch.LaunchError, match="still running after 2 s") as info:
         launch.run_local([[PY, "-c", "import time; time.sleep(60)"]], timeout=2)
@@ -74,63 +67,60 @@ def test_run_local_time_bound(no_leftovers):
 
 
 def test_rank_from_env_knows_the_launchers():
-    assert ddp.rank_from_env({}) is None
-    assert ddp.rank_from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == (3, 8, 1)
-    assert ddp.rank_from_env({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
+    assert dist.rank_from_env({}) is None
+    assert dist.rank_from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == (3, 8, 1)
+    assert dist.rank_from_env({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
                               "OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == (5, 8, 1)
-    assert ddp.rank_from_env({"SLURM_PROCID": "7", "SLURM_NTASKS": "8",
+    assert dist.rank_from_env({"SLURM_PROCID": "7", "SLURM_NTASKS": "8",
                               "SLURM_LOCALID": "3"}) == (7, 8, 3)
 
 
 def test_torchrun_command_lines():
-    one = ddp.torchrun_command(["--epochs", "1"], nproc_per_node=2)
+    one = dist.torchrun_command(["--epochs", "1"], nproc_per_node=2)
     assert one[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node=2"]
     assert "--standalone" in one and one[-3:] == ["dpbook.torch.ddp", "--epochs", "1"]
-    two = ddp.torchrun_command([], nnodes=2, node_rank=1, endpoint="host0:29400",
+    two = dist.torchrun_command([], nnodes=2, node_rank=1, endpoint="host0:29400",
                                is_host=False, max_restarts=3)
     for flag in ("--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=host0:29400",
                  "--max-restarts=3", "--rdzv-conf=is_host=false"):
         assert flag in two
     assert "--standalone" not in two and not any(a.startswith("--node-rank") for a in two)
-    static = ddp.torchrun_command([], nnodes=2, node_rank=1, endpoint="host0:29500",
+    static = dist.torchrun_command([], nnodes=2, node_rank=1, endpoint="host0:29500",
                                   rdzv="static")
     for flag in ("--node-rank=1", "--master-addr=host0", "--master-port=29500"):
         assert flag in static
     with pytest.raises(ValueError, match="static"):
-        ddp.torchrun_command([], nnodes=2, endpoint="h:1", rdzv="etcd")
+        dist.torchrun_command([], nnodes=2, endpoint="h:1", rdzv="etcd")
 
 
 # --- PyTorch: two nodes, failures, resume ------------------------------------------------
 
 def _args(tmp_path, name, fashion_mnist_dir, epochs=1, steps=6, **extra):
-    args = ["--model", "lenet", "--batch-size", "64", "--epochs", str(epochs),
-            "--max-steps", str(steps), "--scale", "quick", "--threads", "1",
-            "--data", str(fashion_mnist_dir), "--checkpoint", str(tmp_path / f"{name}.pt"),
-            "--out", str(tmp_path / f"{name}.json")]
-    for k, v in extra.items():
-        args += ["--" + k.replace("_", "-")] + ([] if v is True else [str(v)])
-    return args
+    return ddp.Config(model="lenet", batch_size=64, epochs=epochs, max_steps=steps,
+                      scale="quick", threads=1, data=str(fashion_mnist_dir),
+                      checkpoint=str(tmp_path / f"{name}.pt"), out=str(tmp_path / f"{name}.json"),
+                      **extra).to_args()
 
 
 @pytest.mark.timeout(180)
-def test_two_nodes_on_loopback_equal_one_process(tmp_path, fashion_mnist_dir, no_leftovers):
-    endpoint = f"127.0.0.1:{ddp.free_port()}"
-    nodes = [ddp.torchrun_command(_args(tmp_path, "two", fashion_mnist_dir), nnodes=2,
+def test_two_nodes_on_loopback_equal_one_process(tmp_path, fashion_mnist_dir):
+    endpoint = f"127.0.0.1:{dist.free_port()}"
+    nodes = [dist.torchrun_command(_args(tmp_path, "two", fashion_mnist_dir), nnodes=2,
                                   node_rank=i, endpoint=endpoint, is_host=i == 0)
              for i in range(2)]
     results = launch.run_local(nodes, timeout=150, env=LOOPBACK)
-    launch.run_local([ddp.torchrun_command(_args(tmp_path, "one", fashion_mnist_dir))],
+    launch.run_local([dist.torchrun_command(_args(tmp_path, "one", fashion_mnist_dir))],
                      timeout=150)
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["world_size"] == 2 and two["backend"] == "gloo"
-    diff = ddp.max_difference(tmp_path / "two.pt", tmp_path / "one.pt")
+    diff = ddp_check.max_checkpoint_difference(tmp_path / "two.pt", tmp_path / "one.pt")
     assert diff < 1e-5, diff                   # 6 steps of LeNet: float32 rounding only
     assert not _sessions_alive(results)
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_is_restarted_and_resumes(tmp_path, fashion_mnist_dir, no_leftovers):
-    cmd = ddp.torchrun_command(_args(tmp_path, "run", fashion_mnist_dir, epochs=3,
+def test_killed_worker_is_restarted_and_resumes(tmp_path, fashion_mnist_dir):
+    cmd = dist.torchrun_command(_args(tmp_path, "run", fashion_mnist_dir, epochs=3,
                                      crash_rank=1, crash_epoch=2, resume=True),
                                nproc_per_node=2, max_restarts=1)
     start = time.monotonic()
@@ -143,9 +133,8 @@ def test_killed_worker_is_restarted_and_resumes(tmp_path, fashion_mnist_dir, no_
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_without_restarts_fails_clearly(tmp_path, fashion_mnist_dir,
-                                                      no_leftovers):
-    cmd = ddp.torchrun_command(_args(tmp_path, "run", fashion_mnist_dir, epochs=3,
+def test_killed_worker_without_restarts_fails_clearly(tmp_path, fashion_mnist_dir):
+    cmd = dist.torchrun_command(_args(tmp_path, "run", fashion_mnist_dir, epochs=3,
                                      crash_rank=1, crash_epoch=2), nproc_per_node=2)
     start = time.monotonic()
     with pytest.raises(launch.LaunchError) as info:
@@ -157,23 +146,23 @@ def test_killed_worker_without_restarts_fails_clearly(tmp_path, fashion_mnist_di
 
 
 @pytest.mark.timeout(180)
-def test_resume_continues_with_the_same_parameters(tmp_path, fashion_mnist_dir, no_leftovers):
+def test_resume_continues_with_the_same_parameters(tmp_path, fashion_mnist_dir):
     straight = _args(tmp_path, "straight", fashion_mnist_dir, epochs=2)
     first = _args(tmp_path, "resumed", fashion_mnist_dir, epochs=1)
     second = _args(tmp_path, "resumed", fashion_mnist_dir, epochs=2, resume=True)
-    launch.run_local([ddp.torchrun_command(straight, nproc_per_node=2)], timeout=150)
-    launch.run_local([ddp.torchrun_command(first, nproc_per_node=2)], timeout=150)
-    [result] = launch.run_local([ddp.torchrun_command(second, nproc_per_node=2)], timeout=150)
+    launch.run_local([dist.torchrun_command(straight, nproc_per_node=2)], timeout=150)
+    launch.run_local([dist.torchrun_command(first, nproc_per_node=2)], timeout=150)
+    [result] = launch.run_local([dist.torchrun_command(second, nproc_per_node=2)], timeout=150)
     assert "resumed from" in result.output
-    assert ddp.max_difference(tmp_path / "straight.pt", tmp_path / "resumed.pt") == 0.0
+    assert ddp_check.max_checkpoint_difference(tmp_path / "straight.pt", tmp_path / "resumed.pt") == 0.0
 
 
 # --- JAX: two processes × two emulated devices ---------------------------------------------
 
 @pytest.mark.timeout(180)
-def test_jax_two_processes_four_devices(tmp_path, fashion_mnist_dir, no_leftovers):
+def test_jax_two_processes_four_devices(tmp_path, fashion_mnist_dir):
     from dpbook.jax import multiprocess   # the module only imports numpy at the top
-    coordinator = f"127.0.0.1:{ddp.free_port()}"
+    coordinator = f"127.0.0.1:{dist.free_port()}"
     commands = [multiprocess.command(coordinator, 2, i, local_devices=2, batch_size=64,
                                      out=str(tmp_path / f"p{i}.json"))
                 + ["--data", str(fashion_mnist_dir)] for i in range(2)]

@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.utils import parameters_to_vector
 
-from conftest import live_children, no_children_left
+from helpers import live_children, no_children_left
 from dpbook.torch import ps
 
 NUM_TRAIN, NUM_TEST = 1024, 256

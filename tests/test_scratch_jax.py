@@ -9,6 +9,7 @@ from jax import lax
 
 from dpbook import jax as dp
 from dpbook.jax import scratch
+from dpbook.jax.data import random_batch
 
 TOL = 1e-5   # float32 rounding of a different summation order
 
@@ -18,11 +19,6 @@ def random_params(seed):
     params = scratch.init_lenet_params(jax.random.key(seed))
     return [p + 0.1 * jax.random.normal(jax.random.key(100 + i), p.shape)
             for i, p in enumerate(params)]
-
-
-def batch(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.random((n, 28, 28, 1), dtype=np.float32), rng.integers(0, 10, n).astype(np.int32)
 
 
 def test_conv2d_equals_lax_conv():
@@ -39,7 +35,7 @@ def test_lenet_by_hand_equals_flax_lenet():
     assert sum(p.size for p in params) == 129_068
     params = [p + 0.1 * jax.random.normal(jax.random.key(i), p.shape)   # every layer matters
               for i, p in enumerate(params)]
-    X, _ = batch(4)
+    X, _ = random_batch(4)
     names = ["Conv_0", "Conv_1", "Dense_0", "Dense_1"]
     flax_params = {n: {"kernel": W, "bias": b}
                    for n, W, b in zip(names, params[::2], params[1::2])}
@@ -60,7 +56,7 @@ def test_allreduce_returns_the_sum_on_every_device(k):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 def test_k_device_step_equals_one_device_step(k):
-    X, y = batch(24 * k, seed=k)
+    X, y = random_batch(24 * k, seed=k)
     init = random_params(1)
     devices = jax.devices()[:k]
     [reference], ref_loss = scratch.train_batch(
@@ -77,14 +73,15 @@ def test_k_device_step_equals_one_device_step(k):
 
 
 def test_uneven_split_still_equals_one_device():
-    X, y = batch(30)
+    X, y = random_batch(30)
     init = random_params(2)
     devices = jax.devices()[:4]                 # shards of 8, 8, 7, 7
-    [reference], _ = scratch.train_batch(X, y, [init], devices[:1], 0.3)
-    replicas, _ = scratch.train_batch(X, y, [scratch.get_params(init, d) for d in devices],
-                                      devices, 0.3)
+    [reference], ref_loss = scratch.train_batch(X, y, [init], devices[:1], 0.3)
+    replicas, loss = scratch.train_batch(X, y, [scratch.get_params(init, d) for d in devices],
+                                         devices, 0.3)
     for ref, p in zip(reference, replicas[-1]):
         np.testing.assert_allclose(p, ref, atol=TOL, rtol=0)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)   # the summed batch loss
 
 
 def test_train_runs_and_matches_across_device_counts(fashion_mnist_dir):
@@ -93,10 +90,11 @@ def test_train_runs_and_matches_across_device_counts(fashion_mnist_dir):
                              animator=dp.Animator(legend=["train loss", "test acc"],
                                                      path=False, live=False)) for k in (1, 2)]
     for r in results:
-        losses = r["animator"].series()["train loss"][1]
+        losses = r.animator.series()["train loss"][1]
         assert len(losses) == 2 and losses[1] < losses[0]
-        assert 0.2 < r["test_acc"] <= 1          # chance is 0.1
+        assert 0.2 < r.test_acc <= 1             # chance is 0.1
+        assert len(r.model) == r.num_devices     # every device's parameters
     # Same data, same initial parameters, equivalent steps: the first epoch's losses agree
     # to rounding. (Later epochs may drift apart: training amplifies 1e-7 differences.)
-    first = [r["animator"].series()["train loss"][1][0] for r in results]
+    first = [r.animator.series()["train loss"][1][0] for r in results]
     assert first[0] == pytest.approx(first[1], rel=1e-5)

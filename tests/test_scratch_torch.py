@@ -6,15 +6,11 @@ import torch
 
 from dpbook import torch as dp
 from dpbook.torch import scratch
+from dpbook.torch.data import random_batch as batch
 
 CPU = torch.device("cpu")
 # k devices sum gradients in another order than one device: float32 rounding only.
 TOL = 1e-5
-
-
-def batch(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def devices_for(k):
@@ -86,12 +82,12 @@ def test_train_runs_and_matches_across_device_counts(fashion_mnist_dir):
                              animator=dp.Animator(legend=["train loss", "test acc"],
                                                      path=False, live=False)) for k in (1, 2)]
     for r in results:
-        assert set(r["animator"].series()) == {"train loss", "test acc"}
-        losses = r["animator"].series()["train loss"][1]
+        assert set(r.animator.series()) == {"train loss", "test acc"}
+        losses = r.animator.series()["train loss"][1]
         assert len(losses) == 2 and losses[1] < losses[0]
-        assert 0.2 < r["test_acc"] <= 1 and len(r["epoch_times"]) == 2   # chance: 0.1
-        assert "devices (" in r["hardware"]
+        assert 0.2 < r.test_acc <= 1 and len(r.epoch_times) == 2   # chance: 0.1
+        assert "devices (" in r.hardware
     # Same data, same initial parameters, equivalent steps: the first epoch's losses agree
     # to rounding. (Later epochs may drift apart: training amplifies 1e-7 differences.)
-    first = [r["animator"].series()["train loss"][1][0] for r in results]
+    first = [r.animator.series()["train loss"][1][0] for r in results]
     assert first[0] == pytest.approx(first[1], rel=1e-5)

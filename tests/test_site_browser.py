@@ -11,12 +11,9 @@ Without Chromium the tests skip and say how to install it — unless
 """
 from __future__ import annotations
 
-import functools
-import http.server
 import os
 import re
 import shutil
-import threading
 import urllib.error
 import urllib.request
 from urllib.parse import urldefrag
@@ -24,6 +21,7 @@ from urllib.parse import urldefrag
 import pytest
 
 from book import ROOT
+from helpers import serve_folder
 
 SCREENSHOTS = ROOT / "_build" / "screenshots"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu",
@@ -51,23 +49,8 @@ def _chromium() -> str:
 @pytest.fixture(scope="module")
 def server(site):
     """The site, served over HTTP on a free port of 127.0.0.1."""
-    handler = functools.partial(_QuietHandler, directory=str(site))
-    httpd = _QuietServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/"
-    httpd.shutdown()
-    httpd.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-class _QuietServer(http.server.ThreadingHTTPServer):
-    def handle_error(self, request, client_address):
-        pass          # the browser closing a connection early is not an error of the site
+    with serve_folder(site) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@ import torch
 from dpbook import torch as dp
 from dpbook.data import FASHION_MNIST_MEAN, FASHION_MNIST_STD
 
-# Pinned sizes: a change in a model's definition must be deliberate.
-PARAMS = {"lenet": 129_068, "lenet5": 61_706}
-RESNET18_PARAMS = {4: 44_738, 16: 701_930, 64: 11_175_818}
+from helpers import PARAMS, RESNET18_PARAMS   # pinned: a model change must be deliberate
 
 
 def test_try_gpu_falls_back_to_cpu():

@@ -21,6 +21,8 @@ from typing import Sequence
 from matplotlib import rc_context
 from matplotlib.figure import Figure
 
+from .tools import atomic_write
+
 __all__ = ["Animator", "in_notebook", "training_animator"]
 
 _counter = itertools.count(1)
@@ -123,13 +125,7 @@ class Animator:
 
     def savefig(self, path: str | os.PathLike) -> str:
         """Write the figure to ``path`` (atomically: readers never see half a file)."""
-        path = os.fspath(path)
-        folder = os.path.dirname(path) or "."
-        os.makedirs(folder, exist_ok=True)
-        root, ext = os.path.splitext(path)
-        tmp = f"{root}.tmp{os.getpid()}{ext}"
-        self.fig.savefig(tmp)
-        os.replace(tmp, path)
+        path = atomic_write(path, self.fig.savefig)
         if not self._announced and not self.live:
             print(f"Animator: drawing to {path}", file=sys.stderr)
             self._announced = True

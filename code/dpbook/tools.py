@@ -1,12 +1,15 @@
-"""Timer, Accumulator and cosine_lr: small tools every training loop uses."""
+"""Small tools every training loop uses: Timer, benchmark, Accumulator, cosine_lr,
+TrainResult and atomic_write."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import statistics
 import time
 from typing import Any, Callable
 
-__all__ = ["Timer", "Accumulator", "cosine_lr"]
+__all__ = ["Timer", "benchmark", "Accumulator", "cosine_lr", "TrainResult", "atomic_write"]
 
 
 class Timer:
@@ -64,6 +67,28 @@ class Timer:
         return out
 
 
+def benchmark(fn: Callable[[], Any], repeats: int, warmup: int = 1,
+              timer: Timer | None = None) -> Timer:
+    """Call ``fn()`` ``warmup`` times untimed (compilation, caches, connections), then
+    ``repeats`` times, each timed on its own; return the :class:`Timer` with the times
+    (``.median()``, ``min(.times)``, ``.avg()``).
+
+    Pass the framework's timer (``dp.Timer(start=False)``) so every reading waits for the
+    device: the value ``fn`` returns is what ``Timer.stop`` waits for (JAX arrays).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    timer = Timer(start=False) if timer is None else timer
+    for _ in range(warmup):
+        timer.start()
+        timer.stop(fn())
+    timer.times.clear()                       # the warm-up calls do not count
+    for _ in range(repeats):
+        timer.start()
+        timer.stop(fn())
+    return timer
+
+
 class Accumulator:
     """Sum ``n`` quantities over many calls to :meth:`add` (losses, correct counts, sizes)."""
 
@@ -100,3 +125,46 @@ def cosine_lr(lr: float, step: int, num_steps: int, warmup_steps: int = 0) -> fl
         return lr * (step + 1) / warmup_steps
     t = (step - warmup_steps) / (num_steps - warmup_steps)
     return lr * 0.5 * (1 + math.cos(math.pi * t))
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a training run of the book returns (every ``train`` function, both frameworks).
+
+    ``model`` is what was trained: the per-device parameters (from scratch), the module
+    (PyTorch, concise) or the train state (JAX, concise). ``extra`` holds what only one
+    method reports (e.g. what ``nn.DataParallel`` ran on).
+    """
+
+    num_devices: int
+    batch_size: int
+    lr: float
+    test_acc: float
+    train_loss: float
+    epoch_times: list[float]
+    hardware: str
+    model: Any = None
+    animator: Any = None
+    method: str | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def sec_per_epoch(self) -> float:
+        """The mean wall time of an epoch (training only; evaluation not included)."""
+        return sum(self.epoch_times) / len(self.epoch_times)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], Any]) -> str:
+    """Call ``write(tmp)`` to write a file beside ``path``, then rename it to ``path``:
+    a reader (another process, a restarted run) never sees half a file. Returns ``path``."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.tmp{os.getpid()}{ext}"     # same folder: the rename is atomic
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path

@@ -10,91 +10,36 @@ One training step, three ways to run it on several devices:
                across the mesh, the state is replicated, XLA inserts the allreduce.
 
 All three take the same step as one device on the whole minibatch (checked in
-``tests/test_concise_jax.py``). Models come from :mod:`dpbook.jax.models`, plus
-:class:`LeNetBN`; a model with BatchNorm carries its statistics in :class:`TrainState`.
+``tests/test_concise_jax.py``). Models come from :mod:`dpbook.jax.models`; the state
+(:class:`dpbook.jax.state.TrainState`, which carries a BatchNorm model's statistics), the
+loss and the mesh from :mod:`dpbook.jax.state`, and what XLA compiled from
+:mod:`dpbook.jax.hlo`.
 """
 from __future__ import annotations
 
-import re
 from functools import cache, partial
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import linen as nn, struct
-from flax.training import train_state
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import config
 from ..plot import Animator, training_animator
-from ..tools import Accumulator
+from ..tools import TrainResult, benchmark
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line
 from .models import LeNet
+from .state import (AXIS, TrainState, create_train_state, evaluate_accuracy, loss_fn,
+                    make_mesh, predict)
 
-__all__ = ["AXIS", "METHODS", "LeNetBN", "TrainState", "create_train_state", "shard_batch",
-           "replicate", "unreplicate", "loss_fn", "pmap_train_step", "make_pmap_train_step",
-           "make_mesh", "shard_map_train_step", "make_shard_map_train_step", "jit_train_step",
-           "make_jit_train_step", "DataParallel", "make_data_parallel", "first_copy",
-           "max_difference", "allreduce_ops", "local_batch_stats", "evaluate_accuracy",
-           "time_steps", "train"]
+__all__ = ["METHODS", "shard_batch", "replicate", "unreplicate", "pmap_train_step",
+           "make_pmap_train_step", "shard_map_train_step", "make_shard_map_train_step",
+           "jit_train_step", "make_jit_train_step", "DataParallel", "make_data_parallel",
+           "first_copy", "local_batch_stats", "local_and_averaged", "time_steps", "train"]
 
-#: The name of the device axis, for ``pmap``'s ``axis_name`` and the mesh.
-AXIS = "devices"
 METHODS = ("pmap", "shard_map", "jit")
-
-
-class LeNetBN(nn.Module):
-    """``dp.LeNet`` with BatchNorm after both convolutions and the hidden dense layer.
-
-    A small model with BatchNorm for the chapter and its tests (ResNet-18 has the same
-    kind of layers, but compiles far more slowly on a CPU). ``axis_name`` makes
-    BatchNorm compute its statistics over all devices of that axis (synchronized
-    BatchNorm); the model then only runs inside ``pmap``/``shard_map``, except in ``init``.
-    """
-    num_classes: int = 10
-    axis_name: str | None = None
-
-    @nn.compact
-    def __call__(self, x, train: bool = True):                # (B, 28, 28, 1)
-        bn = partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                     epsilon=1e-5, axis_name=self.axis_name)  # PyTorch's defaults
-        x = nn.relu(bn()(nn.Conv(20, (3, 3), padding="VALID")(x)))   # (B, 26, 26, 20)
-        x = nn.avg_pool(x, (2, 2), strides=(2, 2))                  # (B, 13, 13, 20)
-        x = nn.relu(bn()(nn.Conv(50, (5, 5), padding="VALID")(x)))   # (B, 9, 9, 50)
-        x = nn.avg_pool(x, (2, 2), strides=(2, 2))                  # (B, 4, 4, 50)
-        x = x.reshape((x.shape[0], -1))                             # (B, 800)
-        x = nn.relu(bn()(nn.Dense(128)(x)))
-        return nn.Dense(self.num_classes)(x)
-
-
-class TrainState(train_state.TrainState):
-    """Flax's ``TrainState`` (step, params, optimizer state) plus BatchNorm statistics.
-
-    ``batch_stats`` is ``None`` for a model without BatchNorm (LeNet); ``None`` is an
-    empty pytree, so ``pmap``, ``pmean`` and ``device_put`` pass it through untouched.
-    """
-    batch_stats: Any = struct.field(default=None)
-
-
-@partial(jax.jit, static_argnames=("model", "input_shape"))
-def _init_variables(model, key, input_shape):
-    return model.init(key, jnp.ones(input_shape, jnp.float32))
-
-
-def create_train_state(model, key: jax.Array, lr: float,
-                       input_shape: Sequence[int] = (1, 28, 28, 1)) -> TrainState:
-    """Initialize ``model`` from ``key`` and pair it with minibatch SGD (``optax.sgd``).
-
-    ``model.init`` is jitted, once per model and input shape: run eagerly, every
-    operation compiles on its own, which is slow on a CPU. The state lives on the default device; the data-parallel methods place it.
-    """
-    variables = _init_variables(model, key, tuple(input_shape))
-    return TrainState.create(apply_fn=model.apply, params=variables["params"],
-                             tx=optax.sgd(lr), batch_stats=variables.get("batch_stats"))
 
 
 def shard_batch(X: np.ndarray, y: np.ndarray, num_devices: int
@@ -138,22 +83,6 @@ def unreplicate(tree):
     return jax.tree.map(lambda x: x.addressable_shards[0].data.reshape(x.shape[1:]), tree)
 
 
-def loss_fn(params, state: TrainState, X, y):
-    """Mean cross-entropy over the examples in ``X``, and the new BatchNorm statistics.
-
-    Differentiated w.r.t. ``params`` (the first argument); the statistics (``None``
-    without BatchNorm) are an auxiliary output, computed from these examples only.
-    """
-    if state.batch_stats is None:
-        logits, batch_stats = state.apply_fn({"params": params}, X), None
-    else:
-        logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
-                                         X, train=True, mutable=["batch_stats"])
-        batch_stats = updates["batch_stats"]
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return loss, batch_stats
-
-
 def pmap_train_step(state: TrainState, X, y):
     """One device's part of a step under ``jax.pmap``; X (B/n, 28, 28, 1), y (B/n,).
 
@@ -176,17 +105,6 @@ def make_pmap_train_step(devices: Sequence[jax.Device]) -> Callable:
     every device after ``pmean``) comes back once (``out_axes=None``).
     """
     return jax.pmap(pmap_train_step, axis_name=AXIS, devices=devices, out_axes=(0, None))
-
-
-def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
-    """A 1-D mesh named ``AXIS`` over ``devices``, with an *Explicit* axis.
-
-    Explicit (the default of ``jax.make_mesh`` in this JAX) puts the sharding in each
-    array's type: ``jax.typeof(X)`` reads ``float32[256@devices,28,28,1]``, and JAX
-    refuses, instead of silently moving, an array whose sharding does not match.
-    """
-    return jax.make_mesh((len(devices),), (AXIS,), axis_types=(AxisType.Explicit,),
-                         devices=devices)
 
 
 def shard_map_train_step(state: TrainState, X, y):
@@ -282,23 +200,6 @@ def _put_split(X, y, sharding: NamedSharding):
     return jax.device_put((X, y), sharding)       # (B, ...), split along the batch axis
 
 
-def max_difference(a, b) -> float:
-    """The largest absolute difference between two pytrees of arrays of the same structure."""
-    diffs = jax.tree.map(lambda u, v: float(np.abs(np.asarray(u) - np.asarray(v)).max()), a, b)
-    return max(jax.tree.leaves(diffs))
-
-
-def allreduce_ops(jitted: Callable, *args) -> list[str]:
-    """The all-reduce instructions XLA compiled for ``jitted(*args)``, as result types.
-
-    E.g. ``['(f32[20], f32[3,3,1,20], ..., f32[])']``: one entry per all-reduce, listing
-    the arrays it sums (XLA fuses many small ones into one).
-    """
-    text = jitted.lower(*args).compile().as_text()
-    ops = re.findall(r"= (\(.*?\)|\S+) all-reduce(?:-start)?\(", text)
-    return [re.sub(r"\{[^}]*\}|/\*.*?\*/", "", op) for op in ops]
-
-
 def local_batch_stats(state: TrainState, X):
     """The BatchNorm statistics after one training-mode forward pass on ``X`` only.
 
@@ -309,49 +210,38 @@ def local_batch_stats(state: TrainState, X):
     return updates["batch_stats"]
 
 
-@jax.jit
-def _predict(state: TrainState, X):
-    if state.batch_stats is None:
-        logits = state.apply_fn({"params": state.params}, X)
-    else:
-        logits = state.apply_fn({"params": state.params, "batch_stats": state.batch_stats},
-                                X, train=False)
-    return jnp.argmax(logits, axis=1)
-
-
-def evaluate_accuracy(state: TrainState, data_iter) -> float:
-    """Accuracy of ``state`` (one copy, on one device) on ``data_iter``."""
-    metric = Accumulator(2)     # correct, examples
-    for X, y in data_iter:
-        metric.add(int((np.asarray(_predict(state, X)) == y).sum()), len(y))
-    return metric[0] / metric[1]
+def local_and_averaged(state: TrainState, X):
+    """Per device, inside ``pmap``/``shard_map`` over ``AXIS``: the BatchNorm statistics of
+    this device's examples ``X`` (:func:`local_batch_stats`), and their mean over the
+    devices (``lax.pmean``)."""
+    local = local_batch_stats(state, X)
+    return local, lax.pmean(local, AXIS)
 
 
 def time_steps(method: str, devices: Sequence[jax.Device], state: TrainState, X, y,
                num_steps: int) -> dict:
     """Time ``num_steps`` steps of ``method`` on one minibatch; compile excluded.
 
-    One warm-up step compiles and runs first; the timer then waits for the last state
+    :func:`dpbook.tools.benchmark`: one warm-up step compiles and runs first; every timed
+    step then starts from the same placed state and the timer waits for its result
     (``Timer.stop`` blocks on it), so the time covers the work, not just its dispatch.
     """
     dpar = make_data_parallel(method, devices)
     state = dpar.place_state(state)
     batch_size = len(y)
     X, y = dpar.place_batch(X, y)
-    jax.block_until_ready(dpar.step(state, X, y))          # warm-up: compile
-    timer = Timer()
-    for _ in range(num_steps):
-        state, loss = dpar.step(state, X, y)
-    seconds = timer.stop(state) / num_steps                # waits for the devices
+    timer = benchmark(lambda: dpar.step(state, X, y), num_steps, timer=Timer(start=False))
+    seconds = timer.avg()
     return {"method": method, "num_devices": len(devices), "batch_size": batch_size,
             "ms_per_step": 1e3 * seconds, "examples_per_sec": batch_size / seconds}
 
 
 def train(num_devices: int, batch_size: int, lr: float, method: str = "pmap",
           num_epochs: int | None = None, scale: config.Scale | None = None, root=None,
-          seed: int = 0, animator: Animator | None = None, model=None) -> dict:
+          seed: int = 0, animator: Animator | None = None, model=None) -> TrainResult:
     """Train ``model`` (default ``LeNet()``) on Fashion-MNIST with ``method`` on
-    ``num_devices`` devices; returns the results like ``dpbook.jax.scratch.train``.
+    ``num_devices`` devices; returns a :class:`dpbook.tools.TrainResult` whose ``model``
+    is the trained state (one copy, on the first device).
 
     The global minibatch is ``batch_size`` (each device gets ``batch_size / num_devices``).
     One untimed warm-up step compiles first; the step is functional, so its result is
@@ -378,10 +268,9 @@ def train(num_devices: int, batch_size: int, lr: float, method: str = "pmap",
             losses.append(loss)          # no float() here: keep the dispatch asynchronous
         timer.stop(state)
         train_loss = float(np.mean(jax.device_get(losses)))
-        test_acc = evaluate_accuracy(dpar.get_state(state), test_iter)
+        test_acc = evaluate_accuracy(partial(predict, dpar.get_state(state)), test_iter)
         animator.add(epoch + 1, (train_loss, test_acc))
-    return {"method": method, "num_devices": num_devices, "batch_size": batch_size, "lr": lr,
-            "test_acc": test_acc, "train_loss": train_loss,
-            "sec_per_epoch": timer.avg(), "epoch_times": list(timer.times),
-            "state": dpar.get_state(state), "animator": animator,
-            "hardware": hardware_line(devices)}
+    return TrainResult(num_devices=num_devices, batch_size=batch_size, lr=lr,
+                       test_acc=test_acc, train_loss=train_loss,
+                       epoch_times=list(timer.times), hardware=hardware_line(devices),
+                       model=dpar.get_state(state), animator=animator, method=method)

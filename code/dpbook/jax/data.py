@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import data as _data
 
-__all__ = ["load_data_fashion_mnist", "to_arrays"]
+__all__ = ["load_data_fashion_mnist", "to_arrays", "random_batch"]
 
 
 def to_arrays(X: np.ndarray, y: np.ndarray, normalize: bool = False
@@ -34,3 +34,13 @@ def load_data_fashion_mnist(batch_size: int, num_train: int | None = None,
     test = to_arrays(*_data.subset(X_test, y_test, num_test, seed), normalize=normalize)
     return (_data.ArrayLoader(*train, batch_size, shuffle=True, seed=seed, drop_last=drop_last),
             _data.ArrayLoader(*test, batch_size, shuffle=False))
+
+
+def random_batch(batch_size: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A fixed random minibatch shaped like Fashion-MNIST's, for tests and checks that
+    need no data set: ``X`` float32 (batch_size, 28, 28, 1) uniform in [0, 1), ``y`` int32
+    labels 0..9, both drawn from ``numpy.random.default_rng(seed)``."""
+    rng = np.random.default_rng(seed)
+    X = rng.random((batch_size, 28, 28, 1), dtype=np.float32)
+    y = rng.integers(0, 10, batch_size).astype(np.int32)
+    return X, y

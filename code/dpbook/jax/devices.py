@@ -70,16 +70,19 @@ def hardware_line(devices: Sequence[jax.Device] | None = None) -> str:
                                {"jax": jax.__version__}, get_scale().name)
 
 
-def split_batch(X, y, devices: Sequence[jax.Device]) -> tuple[list[jax.Array], list[jax.Array]]:
+def split_batch(X, y, devices: Sequence[jax.Device], weights: Sequence[float] | None = None
+                ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Split a minibatch along its first axis, shard ``i`` placed on ``devices[i]``.
 
-    Shards are as equal as possible (:func:`dpbook.split_sizes`); a batch smaller than
-    the number of devices is refused with a ``ValueError``. Unequal shard shapes make
-    jitted code compile once per shape, so chapters pick batch sizes that divide evenly.
+    Shards are as equal as possible (:func:`dpbook.split_sizes`: 10 examples on 4 devices
+    → 3, 3, 2, 2), or in proportion to ``weights`` (``weights=[3, 1]`` gives the first
+    device three quarters); a batch smaller than the number of devices is refused with a
+    ``ValueError``. Unequal shard shapes make jitted code compile once per shape, so
+    chapters pick batch sizes that divide evenly.
     """
     if len(X) != len(y):
         raise ValueError(f"X has {len(X)} examples and y has {len(y)}")
-    sizes = _core.split_sizes(len(X), len(devices))
+    sizes = _core.split_sizes(len(X), len(devices), weights)
     X_shards, y_shards, start = [], [], 0
     for size, device in zip(sizes, devices):
         X_shards.append(jax.device_put(X[start:start + size], device))

@@ -6,7 +6,7 @@ from functools import partial
 import jax
 from flax import linen as nn
 
-__all__ = ["LeNet", "LeNet5", "Residual", "ResNet18", "num_params"]
+__all__ = ["LeNet", "LeNet5", "LeNetBN", "Residual", "ResNet18", "num_params"]
 
 
 class LeNet(nn.Module):
@@ -45,6 +45,29 @@ class LeNet5(nn.Module):
 
 # PyTorch's BatchNorm defaults: running = 0.9 * running + 0.1 * batch, eps = 1e-5.
 _BatchNorm = partial(nn.BatchNorm, momentum=0.9, epsilon=1e-5)
+
+
+class LeNetBN(nn.Module):
+    """:class:`LeNet` with BatchNorm after both convolutions and the hidden dense layer.
+
+    A small model with BatchNorm for the concise chapter and its tests (ResNet-18 has the
+    same kind of layers, but compiles far more slowly on a CPU). ``axis_name`` makes
+    BatchNorm compute its statistics over all devices of that axis (synchronized
+    BatchNorm); the model then only runs inside ``pmap``/``shard_map``, except in ``init``.
+    """
+    num_classes: int = 10
+    axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):                # (B, 28, 28, 1)
+        bn = partial(_BatchNorm, use_running_average=not train, axis_name=self.axis_name)
+        x = nn.relu(bn()(nn.Conv(20, (3, 3), padding="VALID")(x)))   # (B, 26, 26, 20)
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))                  # (B, 13, 13, 20)
+        x = nn.relu(bn()(nn.Conv(50, (5, 5), padding="VALID")(x)))   # (B, 9, 9, 50)
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))                  # (B, 4, 4, 50)
+        x = x.reshape((x.shape[0], -1))                             # (B, 800)
+        x = nn.relu(bn()(nn.Dense(128)(x)))
+        return nn.Dense(self.num_classes)(x)
 
 
 class Residual(nn.Module):

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import data as _data
+from .data import to_arrays
 
 __all__ = ["worker", "command", "main"]
 
@@ -66,8 +67,7 @@ def worker(coordinator: str, num_processes: int, process_id: int, local_devices:
 
         # The same global minibatch in every process (first examples of Fashion-MNIST)…
         X_all, y_all, _, _ = _data.read_fashion_mnist(root)
-        X = X_all[:batch_size, :, :, None].astype(np.float32) / 255   # (B, 28, 28, 1)
-        y = y_all[:batch_size].astype(np.int32)
+        X, y = to_arrays(X_all[:batch_size], y_all[:batch_size])   # (B, 28, 28, 1), (B,)
         # …of which this process holds, and loads onto its devices, only its own rows.
         per_process = batch_size // num_processes
         rows = slice(process_id * per_process, (process_id + 1) * per_process)

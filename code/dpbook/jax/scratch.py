@@ -6,6 +6,7 @@ one device's gradient where its inputs live; ``allreduce`` returns new arrays.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import jax
@@ -14,12 +15,13 @@ from jax import lax
 
 from .. import config
 from ..plot import Animator, training_animator
-from ..tools import Accumulator, cosine_lr
+from ..tools import Accumulator, TrainResult, cosine_lr
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
+from .state import evaluate_accuracy
 
 __all__ = ["init_lenet_params", "conv2d", "avg_pool2d", "lenet_forward", "loss_fn", "grad_fn",
-           "get_params", "allreduce", "sgd", "train_batch", "evaluate_accuracy", "train"]
+           "get_params", "allreduce", "sgd", "train_batch", "train"]
 
 
 def init_lenet_params(key: jax.Array) -> list[jax.Array]:
@@ -127,27 +129,21 @@ def train_batch(X, y, device_params: Sequence[Sequence[jax.Array]],
     return new_params, sum(jax.device_put(loss, devices[0]) for loss in losses)
 
 
-_predict = jax.jit(lambda params, X: jnp.argmax(lenet_forward(params, X), axis=1))
-
-
-def evaluate_accuracy(params, data_iter, device: jax.Device | None = None) -> float:
-    """Accuracy of LeNet with ``params`` on ``data_iter`` (on the params' device)."""
-    device = device or _device(params[0])
-    metric = Accumulator(2)     # correct, examples
-    for X, y in data_iter:
-        y_hat = _predict(params, jax.device_put(X, device))
-        metric.add(int((y_hat == jax.device_put(y, device)).sum()), len(y))
-    return metric[0] / metric[1]
+@jax.jit
+def _predict(params, X) -> jax.Array:
+    """LeNet's predicted classes (B,); a numpy ``X`` goes to the device of ``params``."""
+    return jnp.argmax(lenet_forward(params, X), axis=1)
 
 
 def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None = None,
           scale: config.Scale | None = None, root=None, seed: int = 0,
-          animator: Animator | None = None) -> dict:
+          animator: Animator | None = None) -> TrainResult:
     """Train LeNet on Fashion-MNIST with :func:`train_batch` on ``num_devices`` devices.
 
     Like ``dpbook.torch.scratch.train``: same standardized data, epochs, learning rate
     schedule (warm-up, then cosine decay), curves and results. One untimed step first
-    compiles the jitted functions.
+    compiles the jitted functions. Returns a :class:`dpbook.tools.TrainResult` whose
+    ``model`` is the list of every device's parameters.
     """
     scale = scale or get_scale()
     num_epochs = num_epochs or scale.num_epochs
@@ -175,10 +171,9 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
             metric.add(loss, len(y))
             step += 1
         timer.stop(device_params)
-        test_acc = evaluate_accuracy(device_params[0], test_iter, devices[0])
+        test_acc = evaluate_accuracy(partial(_predict, device_params[0]), test_iter)
         animator.add(epoch + 1, (metric[0] / metric[1], test_acc))
-    return {"num_devices": num_devices, "batch_size": batch_size, "lr": lr,
-            "test_acc": test_acc, "train_loss": metric[0] / metric[1],
-            "sec_per_epoch": timer.avg(), "epoch_times": list(timer.times),
-            "params": device_params, "animator": animator,
-            "hardware": hardware_line(devices)}
+    return TrainResult(num_devices=num_devices, batch_size=batch_size, lr=lr,
+                       test_acc=test_acc, train_loss=metric[0] / metric[1],
+                       epoch_times=list(timer.times), hardware=hardware_line(devices),
+                       model=device_params, animator=animator)

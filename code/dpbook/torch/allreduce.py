@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .ddp import init_process, run
+from .dist import process_group, run
 from .devices import hardware_line
 
 __all__ = ["naive_allreduce", "ring_allreduce", "tree_allreduce", "gloo_allreduce",
@@ -166,9 +166,7 @@ def check_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequen
     Every rank checks its own result against the true sum, which it can compute because
     the data of every rank comes from a known seed.
     """
-    init_process(rank, world_size)
-    try:
-        torch.set_num_threads(1)
+    with process_group(rank, world_size):
         errors = {}
         for name in names:
             worst = 0.0
@@ -182,8 +180,6 @@ def check_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequen
             errors[name] = error.item()
         if rank == 0:
             Path(out).write_text(json.dumps(errors))
-    finally:
-        dist.destroy_process_group()
 
 
 def bench_worker(rank: int, world_size: int,
@@ -198,9 +194,7 @@ def bench_worker(rank: int, world_size: int,
     before the clock starts), is started together (barrier) and timed by the slowest
     rank; the median over the rounds is kept.
     """
-    init_process(rank, world_size)
-    try:
-        torch.set_num_threads(1)
+    with process_group(rank, world_size):
         results = []
         for nbytes in sizes:
             data = torch.ones(nbytes // 4)
@@ -227,8 +221,6 @@ def bench_worker(rank: int, world_size: int,
             Path(out).write_text(json.dumps(
                 {"results": results, "hardware": hardware_line([torch.device("cpu")] *
                                                                 world_size)}))
-    finally:
-        dist.destroy_process_group()
 
 
 def check(nprocs: int, names: Sequence[str] = tuple(ALGORITHMS),

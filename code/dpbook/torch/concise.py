@@ -12,7 +12,6 @@ run on a CPU says so instead of pretending.
 from __future__ import annotations
 
 import copy
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -20,13 +19,13 @@ from torch.nn import functional as F
 
 from .. import config
 from ..plot import Animator, training_animator
-from ..tools import Accumulator
+from ..tools import Accumulator, TrainResult
 from .data import load_data_fashion_mnist
-from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
+from .devices import Timer, get_devices, get_scale, hardware_line
 from .models import resnet18
-from .train import accuracy
+from .evaluate import evaluate_accuracy_gpus
 
-__all__ = ["init_resnet18", "data_parallel_info", "evaluate_accuracy_gpus", "train"]
+__all__ = ["init_resnet18", "data_parallel_info", "train"]
 
 
 def init_resnet18(width: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -50,42 +49,16 @@ def data_parallel_info(net: nn.Module) -> str:
             f"module, run in parallel, gather outputs on cuda:{net.output_device}")
 
 
-@torch.no_grad()
-def evaluate_accuracy_gpus(net: nn.Module, data_iter, devices: Sequence[torch.device]) -> float:
-    """Accuracy of ``net`` with every test batch split across ``devices``.
-
-    Each device evaluates its shard with its own copy of the module (a real copy on every
-    GPU other than the module's; on a CPU all "devices" share the module). Work is queued
-    on all GPUs before any result is read, so they evaluate side by side.
-    """
-    module = net.module if isinstance(net, nn.DataParallel) else net
-    home = next(module.parameters()).device
-    replicas = [module if d == home else copy.deepcopy(module).to(d) for d in devices]
-    was_training = module.training
-    for replica in replicas:
-        replica.eval()
-    metric = Accumulator(2)      # correct predictions, examples
-    try:
-        for X, y in data_iter:
-            X_shards, y_shards = split_batch(X, y, devices[:len(X)])
-            outputs = [replica(X_shard) for replica, X_shard in zip(replicas, X_shards)]
-            for y_hat, y_shard in zip(outputs, y_shards):   # reading the result syncs
-                metric.add(accuracy(y_hat, y_shard), y_shard.numel())
-    finally:
-        module.train(was_training)
-    return metric[0] / metric[1]
-
-
 def train(num_devices: int, batch_size: int, lr: float,
           init_state: dict[str, torch.Tensor] | None = None, num_epochs: int | None = None,
           scale: config.Scale | None = None, root=None, seed: int = 0,
-          animator: Animator | None = None) -> dict:
+          animator: Animator | None = None) -> TrainResult:
     """Train the ResNet-18 variant on Fashion-MNIST with ``nn.DataParallel``.
 
     The network has ``scale.resnet_width`` channels in its first stage and starts from
     ``init_state`` (default: :func:`init_resnet18` with ``seed``). It is wrapped in
     ``nn.DataParallel`` over ``num_devices`` devices; :func:`data_parallel_info` of the
-    wrapper is returned as ``"data_parallel"``. The minibatch is the *global* one:
+    wrapper is returned in ``extra["data_parallel"]`` and the wrapper as ``model``. The minibatch is the *global* one:
     DataParallel splits it across the devices. Each epoch's time covers training only
     (synchronized); the test accuracy is computed with :func:`evaluate_accuracy_gpus`.
     """
@@ -112,12 +85,10 @@ def train(num_devices: int, batch_size: int, lr: float,
             optimizer.zero_grad()
             loss.backward()                       # gradients summed into net.module
             optimizer.step()
-            metric.add(loss.detach() * len(y), len(y))
+            metric.add(loss.detach() * len(y), len(y))   # float(): a sync point
         timer.stop()
         test_acc = evaluate_accuracy_gpus(net, test_iter, devices)
         animator.add(epoch + 1, (metric[0] / metric[1], test_acc))
-    return {"num_devices": num_devices, "batch_size": batch_size, "lr": lr,
-            "test_acc": test_acc, "train_loss": metric[0] / metric[1],
-            "sec_per_epoch": timer.avg(), "epoch_times": list(timer.times),
-            "net": net, "animator": animator, "data_parallel": data_parallel_info(net),
-            "hardware": hardware_line(devices)}
+    return TrainResult(num_devices, batch_size, lr, test_acc, metric[0] / metric[1],
+                       list(timer.times), hardware_line(devices), model=net,
+                       animator=animator, extra={"data_parallel": data_parallel_info(net)})

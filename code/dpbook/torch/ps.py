@@ -25,8 +25,6 @@ import collections
 import dataclasses
 import json
 import math
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -37,10 +35,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from .. import data as _data
-from .data import to_tensors
-from .ddp import init_process, launch
-from .train import accuracy
+from .data import fashion_mnist_datasets
+from .dist import process_group, run
+from .evaluate import accuracy
 
 __all__ = ["PSConfig", "mlp", "load_arrays", "worker_batches", "flat_grad", "server_sync",
            "server_async", "worker", "ps_process", "run_ps", "sgd_reference",
@@ -72,9 +69,8 @@ def mlp(num_hiddens: int = 256, seed: int = 0) -> nn.Sequential:
 def load_arrays(num_train: int | None = None, num_test: int | None = None, root=None,
                 seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Fashion-MNIST as four tensors ``X_train, y_train, X_test, y_test`` (fixed subsets)."""
-    X_train, y_train, X_test, y_test = _data.read_fashion_mnist(root)
-    return (*to_tensors(*_data.subset(X_train, y_train, num_train, seed)),
-            *to_tensors(*_data.subset(X_test, y_test, num_test, seed)))
+    train, test = fashion_mnist_datasets(num_train, num_test, root, seed)
+    return (*train.tensors, *test.tensors)
 
 
 def worker_batches(X: torch.Tensor, y: torch.Tensor, worker: int, num_workers: int,
@@ -179,13 +175,12 @@ def _test_accuracy(net: nn.Module, X: torch.Tensor, y: torch.Tensor) -> float:
     return accuracy(net(X), y) / len(y)
 
 
-def ps_process(rank: int, world_size: int, configs: Sequence[PSConfig], out: str,
-               data: tuple[int | None, int | None, str | None]) -> None:
+def ps_process(rank: int, world_size: int, configs: Sequence[PSConfig],
+               data: tuple[int | None, int | None, str | None], out: str) -> None:
     """One process of :func:`run_ps`: rank 0 serves, the others work, for every config in
     turn (one process group for all runs: starting processes costs seconds)."""
-    init_process(rank, world_size, timeout=60)    # a lost message fails within 60 s
-    try:
-        torch.set_num_threads(1)                  # W + 1 processes share the cores
+    # a lost message fails within 60 s; one thread each: W + 1 processes share the cores
+    with process_group(rank, world_size, timeout=60):
         num_train, num_test, root = data
         X, y, X_test, y_test = load_arrays(num_train, num_test, root)
         num_workers, results = world_size - 1, []
@@ -205,15 +200,13 @@ def ps_process(rank: int, world_size: int, configs: Sequence[PSConfig], out: str
                 stats = server_async(w, num_workers, cfg.num_grads, cfg.lr)
             seconds = time.perf_counter() - tik
             vector_to_parameters(w, net.parameters())
-            torch.save(w, os.path.join(out, f"params-{i}.pt"))
+            torch.save(w, f"{out}.params-{i}.pt")    # beside out: dist.run's folder
             results.append({**dataclasses.asdict(cfg), **stats, "num_workers": num_workers,
                             "seconds": seconds, "updates_per_sec": stats["updates"] / seconds,
                             "examples_per_sec": cfg.num_grads * cfg.batch_size / seconds,
                             "test_acc": _test_accuracy(net, X_test, y_test)})
         if rank == 0:
-            Path(out, "results.json").write_text(json.dumps(results, indent=1))
-    finally:
-        dist.destroy_process_group()
+            Path(out).write_text(json.dumps(results, indent=1))
 
 
 def run_ps(configs: Sequence[PSConfig], num_workers: int = 2, num_train: int | None = None,
@@ -233,19 +226,21 @@ def run_ps(configs: Sequence[PSConfig], num_workers: int = 2, num_train: int | N
                              f"{num_workers} workers")
         if cfg.num_grads < num_workers:
             raise ValueError(f"num_grads {cfg.num_grads} < {num_workers} workers")
-    with tempfile.TemporaryDirectory() as out:
-        launch(ps_process, num_workers + 1, list(configs), out, (num_train, num_test, root),
-               timeout=timeout)
-        results = json.loads(Path(out, "results.json").read_text())
-        for i, r in enumerate(results):
-            r["params"] = torch.load(os.path.join(out, f"params-{i}.pt"))
-            r["staleness"] = {int(k): {int(s): c for s, c in h.items()}   # JSON keys: str
-                              for k, h in r["staleness"].items()}
-            r["grads_per_worker"] = {k: sum(h.values()) for k, h in r["staleness"].items()}
-            total = collections.Counter()
-            for h in r["staleness"].values():
-                total.update(h)
-            r["staleness_all"] = dict(sorted(total.items()))
+    return run(ps_process, num_workers + 1, list(configs), (num_train, num_test, root),
+               timeout=timeout, read=_read_results)
+
+
+def _read_results(out: str) -> list[dict]:
+    results = json.loads(Path(out).read_text())
+    for i, r in enumerate(results):
+        r["params"] = torch.load(f"{out}.params-{i}.pt")
+        r["staleness"] = {int(k): {int(s): c for s, c in h.items()}   # JSON keys: str
+                          for k, h in r["staleness"].items()}
+        r["grads_per_worker"] = {k: sum(h.values()) for k, h in r["staleness"].items()}
+        total = collections.Counter()
+        for h in r["staleness"].values():
+            total.update(h)
+        r["staleness_all"] = dict(sorted(total.items()))
     return results
 
 

@@ -20,10 +20,10 @@ from torch.nn import functional as F
 
 from .. import config
 from ..plot import Animator, training_animator
-from ..tools import Accumulator, cosine_lr
+from ..tools import Accumulator, TrainResult, cosine_lr
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line, split_batch
-from .train import evaluate_accuracy
+from .evaluate import evaluate_accuracy
 
 __all__ = ["init_lenet_params", "lenet_forward", "get_params", "allreduce", "sgd",
            "train_batch", "train"]
@@ -110,7 +110,7 @@ def train_batch(X: torch.Tensor, y: torch.Tensor, device_params: Sequence[Sequen
 
 def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None = None,
           scale: config.Scale | None = None, root=None, seed: int = 0,
-          animator: Animator | None = None) -> dict:
+          animator: Animator | None = None) -> TrainResult:
     """Train LeNet on Fashion-MNIST with :func:`train_batch` on ``num_devices`` devices.
 
     The data size and (by default) the epochs come from ``scale``. Parameters start from
@@ -119,8 +119,8 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     to ``lr`` over the first fifth of the steps (warm-up), then decays to nearly 0 along
     a cosine (:func:`dpbook.cosine_lr`), so the last epochs settle instead of jumping
     around.
-    Returns the run's results: test accuracy, seconds per epoch, the curves and the
-    hardware line; each epoch's time covers training only (synchronized), not evaluation.
+    Returns a :class:`dpbook.tools.TrainResult` (``model``: the per-device parameters);
+    each epoch's time covers training only (synchronized), not evaluation.
     """
     scale = scale or get_scale()
     num_epochs = num_epochs or scale.num_epochs
@@ -140,14 +140,13 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
         timer.start()
         for X, y in train_iter:
             step_lr = cosine_lr(lr, step, num_steps, warmup_steps)
-            metric.add(train_batch(X, y, device_params, devices, step_lr), y.numel())
+            loss = train_batch(X, y, device_params, devices, step_lr)
+            metric.add(loss, y.numel())      # float(loss): a sync point, once per step
             step += 1
         timer.stop()
         test_acc = evaluate_accuracy(lambda X: lenet_forward(X, device_params[0]),
                                      test_iter, devices[0])
         animator.add(epoch + 1, (metric[0] / metric[1], test_acc))
-    return {"num_devices": num_devices, "batch_size": batch_size, "lr": lr,
-            "test_acc": test_acc, "train_loss": metric[0] / metric[1],
-            "sec_per_epoch": timer.avg(), "epoch_times": list(timer.times),
-            "params": device_params, "animator": animator,
-            "hardware": hardware_line(devices)}
+    return TrainResult(num_devices, batch_size, lr, test_acc, metric[0] / metric[1],
+                       list(timer.times), hardware_line(devices), model=device_params,
+                       animator=animator)

@@ -28,7 +28,8 @@ from torch.nn import functional as F
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..devices import split_sizes
-from .ddp import init_process, run
+from .data import random_batch
+from .dist import process_group, run
 from .devices import hardware_line
 from .models import lenet
 
@@ -65,12 +66,8 @@ def split_worker(rank: int, world_size: int, slowdowns: Sequence[float], batch_s
     """Train LeNet on a fixed random batch: ``steps`` steps with an even split, measuring
     each rank's examples/s, then ``steps`` steps from the same start with the split in
     proportion to those measurements. Rank 0 writes both runs' timings (JSON)."""
-    init_process(rank, world_size)
-    try:
-        torch.set_num_threads(1)
-        g = torch.Generator().manual_seed(0)
-        X = torch.rand(batch_size, 1, 28, 28, generator=g)
-        y = torch.randint(0, 10, (batch_size,), generator=g)
+    with process_group(rank, world_size):
+        X, y = random_batch(batch_size, seed=0)
         results, weights = {}, None
         for split in ("even", "weighted"):
             torch.manual_seed(0)
@@ -105,8 +102,6 @@ def split_worker(rank: int, world_size: int, slowdowns: Sequence[float], batch_s
                 json.dump({"slowdowns": list(slowdowns), "batch_size": batch_size,
                            "steps": steps, **results, "max_param_difference": difference,
                            "hardware": hardware_line([torch.device("cpu")] * world_size)}, f)
-    finally:
-        dist.destroy_process_group()
 
 
 def compare_splits(slowdowns: Sequence[float], batch_size: int = 256, steps: int = 20,

@@ -1,0 +1,79 @@
+"""The oldest torch, jax, flax and optax releases the chapters work with, checked on import.
+
+Colab and a reader's GPU box come with their own releases. ``import dpbook.torch`` and
+``import dpbook.jax`` (every chapter's first cell) compare them with :data:`MINIMUM` and
+stop with one line that says which package is too old and how to upgrade it, instead of
+an ``AttributeError`` deep inside a later cell. The book itself is built and tested with
+the exact releases pinned in ``requirements.txt``. Set ``DPBOOK_IGNORE_VERSIONS=1`` to
+try an older release anyway.
+
+>>> parse("2.13.0+cpu")
+(2, 13, 0)
+>>> too_old("torch", "2.5.1") is None
+False
+>>> too_old("torch", "2.13.0") is None
+True
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+
+__all__ = ["MINIMUM", "VersionError", "parse", "installed", "too_old", "require"]
+
+#: package → (oldest release, what older ones lack)
+MINIMUM: dict[str, tuple[str, str]] = {
+    "torch": ("2.6", "torch.distributed.get_default_backend_for_device"),
+    "jax": ("0.8.0", "jax.shard_map with check_vma and lax.pcast, pmap built on shard_map"),
+    "flax": ("0.10.0", "flax.linen as the chapters use it with jax >= 0.8"),
+    "optax": ("0.2.4", "optax releases that support jax >= 0.8"),
+}
+
+
+class VersionError(ImportError):
+    """An installed package is older than the chapters need."""
+
+
+def parse(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: ``"2.13.0+cpu"`` → ``(2, 13, 0)``,
+    ``"0.8.0rc1"`` → ``(0, 8, 0)``."""
+    parts = []
+    for part in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.group() != part:      # "0rc1": a pre-release of 0; stop here
+            break
+    return tuple(parts)
+
+
+def installed(package: str) -> str | None:
+    """The installed release of ``package`` (from its metadata, without importing it)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def too_old(package: str, version: str | None = None) -> str | None:
+    """The one-line message if ``package`` (at ``version``, default: installed) is older
+    than :data:`MINIMUM`, else ``None``."""
+    version = installed(package) if version is None else version
+    oldest, reason = MINIMUM[package]
+    if version is None or parse(version) >= parse(oldest):
+        return None
+    return (f"dpbook needs {package} >= {oldest} (this is {version}; older releases lack "
+            f"{reason}): pip install -U '{package}>={oldest}' and restart the kernel")
+
+
+def require(*packages: str) -> None:
+    """Raise :class:`VersionError` for the first of ``packages`` that is too old (unless
+    ``DPBOOK_IGNORE_VERSIONS=1``)."""
+    if os.environ.get("DPBOOK_IGNORE_VERSIONS") == "1":
+        return
+    for package in packages:
+        message = too_old(package)
+        if message is not None:
+            raise VersionError(message)

@@ -1,0 +1,51 @@
+"""The alpha-beta cost model of the allreduce algorithms (dpbook.costmodel): framework-free,
+so these tests need neither torch nor jax."""
+from __future__ import annotations
+
+import pytest
+
+from dpbook import costmodel
+
+
+def test_coefficients_of_the_three_algorithms():
+    assert costmodel.coefficients("naive", 4) == (6, 6)
+    assert costmodel.coefficients("ring", 4) == (6, 1.5)
+    assert costmodel.coefficients("tree", 4) == (4, 4)
+    assert costmodel.coefficients("tree", 5) == (6, 6)       # ceil(log2 5) = 3
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        costmodel.coefficients("butterfly", 4)
+
+
+def test_fit_recovers_alpha_and_beta():
+    alpha, beta = 50e-6, 1 / 2e9
+    data = [{"algorithm": a, "processes": n, "bytes": b,
+             "seconds": costmodel.predict(a, b, n, alpha, beta)}
+            for a in costmodel.ALGORITHMS for n in (2, 3, 4) for b in (1e3, 1e5, 1e7)]
+    fitted = costmodel.fit(data)
+    assert fitted == pytest.approx((alpha, beta), rel=1e-6)
+
+
+def test_bus_bandwidth_of_a_ring_does_not_depend_on_n():
+    beta = 1 / 10e9
+    for n in (2, 4, 8):
+        t = costmodel.predict("ring", 1e8, n, 0.0, beta)
+        assert costmodel.bus_bandwidth(1e8, t, n) == pytest.approx(10e9)
+
+
+def test_on_a_shared_medium_every_algorithm_moves_the_same_bytes():
+    for n in (2, 3, 4, 8):
+        totals = {costmodel.coefficients(a, n, links="shared")[1] for a in costmodel.ALGORITHMS}
+        assert totals == {2 * (n - 1)}
+    # ... which is what the ring's processes send together on separate links
+    assert costmodel.coefficients("ring", 4)[1] * 4 == 2 * 3
+    with pytest.raises(ValueError, match="links must be"):
+        costmodel.coefficients("ring", 4, links="wireless")
+
+
+def test_relative_error_is_zero_for_the_model_itself():
+    data = [{"algorithm": "tree", "processes": 4, "bytes": b,
+             "seconds": costmodel.predict("tree", b, 4, 1e-4, 1e-9, "shared")}
+            for b in (1e3, 1e6)]
+    assert costmodel.relative_error(data, 1e-4, 1e-9, "shared") == pytest.approx(0, abs=1e-12)
+    assert costmodel.fit(data, "shared") == pytest.approx((1e-4, 1e-9), rel=1e-6)
+
