@@ -46,3 +46,22 @@ def test_same_code_cells(en):
 def test_strip_comments_keeps_strings():
     code = "x = '# not a comment'  # a comment\n# only a comment\ny = 1\n"
     assert strip_comments(code) == "x = '# not a comment'\ny = 1"
+
+
+def test_every_literalinclude_names_an_object_that_exists():
+    """A ``{literalinclude}`` with ``:pyobject:`` points at a top-level function or class of
+    an existing file (a moved helper fails here in a second, not in the site build)."""
+    import ast
+    import re
+    wrong = []
+    for lang in ("en", "zh"):
+        for md in sorted((ROOT / "chapters" / lang).rglob("*.md")):
+            text = md.read_text(encoding="utf8")
+            for m in re.finditer(r"```\{literalinclude\} (\S+)\n(?::\w+:.*\n)*?:pyobject: (\S+)", text):
+                path = (md.parent / m.group(1)).resolve()
+                names = ({n.name for n in ast.parse(path.read_text()).body
+                          if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                         if path.is_file() else set())
+                if m.group(2).split(".")[0] not in names:
+                    wrong.append(f"{md.relative_to(ROOT)}: {m.group(1)} :pyobject: {m.group(2)}")
+    assert not wrong, wrong
