@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import pytest
 
 import dpbook
@@ -99,9 +98,3 @@ def serve_folder(folder: str | os.PathLike, requests: list[str] | None = None
         httpd.shutdown()
         httpd.server_close()
 
-
-def random_like(shapes, seed: int = 0, scale: float = 0.1) -> list[np.ndarray]:
-    """Random float32 arrays of the given shapes (e.g. parameters where every layer gets
-    a gradient, unlike zero-initialised biases)."""
-    rng = np.random.default_rng(seed)
-    return [(scale * rng.standard_normal(shape)).astype(np.float32) for shape in shapes]

@@ -1,0 +1,71 @@
+"""DDP communication hooks that count what they send.
+
+DDP calls a communication hook once per bucket of gradients instead of its own
+allreduce (``model.register_comm_hook(state, hook)``). :func:`counting_hook` does what
+DDP does by default; :func:`counting_compress_hook` is PyTorch's ``fp16_compress_hook`` /
+``bf16_compress_hook``. Both add each call and its bytes to a :class:`Counter`, the
+``state`` they are registered with::
+
+    counter = Counter()
+    model.register_comm_hook(counter, counting_hook)
+    ...                                    # train
+    counter.calls, counter.bytes
+
+DDP checks a hook's annotations at run time (``bucket: dist.GradBucket``, returning
+``torch.futures.Future[torch.Tensor]``), so this module does not postpone them
+(no ``from __future__ import annotations``).
+"""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+__all__ = ["Counter", "counting_hook", "counting_compress_hook", "HOOKS", "register"]
+
+
+@dataclasses.dataclass
+class Counter:
+    """What a counting hook has sent: allreduce calls and bytes."""
+
+    calls: int = 0
+    bytes: int = 0
+    dtype: torch.dtype | None = None     # the compressed type (None: the gradients' own)
+
+
+def counting_hook(counter: Counter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own averaging (divide the bucket by the number of processes, then allreduce
+    it), counting each call and its bytes in ``counter``."""
+    tensor = bucket.buffer()
+    counter.calls += 1
+    counter.bytes += tensor.numel() * tensor.element_size()
+    tensor.div_(dist.get_world_size())
+    work = dist.all_reduce(tensor, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def counting_compress_hook(counter: Counter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """PyTorch's compression hook for ``counter.dtype`` (``torch.float16``: the
+    ``fp16_compress_hook``, ``torch.bfloat16``: the ``bf16_compress_hook``: cast the bucket,
+    divide, allreduce, cast back), counting the bytes that travel."""
+    counter.calls += 1
+    counter.bytes += bucket.buffer().numel() * torch.finfo(counter.dtype).bits // 8
+    hook = {torch.float16: default_hooks.fp16_compress_hook,
+            torch.bfloat16: default_hooks.bf16_compress_hook}[counter.dtype]
+    return hook(None, bucket)                  # None: the default process group
+
+
+#: name → the dtype the gradients travel in (``None``: DDP's float32 allreduce)
+HOOKS = {"float32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def register(model: torch.nn.parallel.DistributedDataParallel, name: str = "float32"
+             ) -> Counter:
+    """Register the counting hook ``name`` (a key of :data:`HOOKS`) on ``model``; return
+    its counter."""
+    if name not in HOOKS:
+        raise ValueError(f"unknown hook {name!r}; choose from {list(HOOKS)}")
+    counter = Counter(dtype=HOOKS[name])
+    model.register_comm_hook(counter, counting_hook if counter.dtype is None
+                             else counting_compress_hook)
+    return counter
