@@ -290,3 +290,12 @@ def test_importing_with_an_old_release_says_how_to_upgrade(tmp_path, package, mo
     versions_ok = run_python(f"import {module}", PYTHONPATH=str(tmp_path),
                              DPBOOK_IGNORE_VERSIONS="1")
     assert versions_ok.returncode == 0, versions_ok.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", _parts()["core"])
+def test_core_docstring_examples(name):
+    """The ``>>>`` examples in the framework-free modules' docstrings hold."""
+    import doctest
+    import importlib
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed"

@@ -87,11 +87,14 @@ def split_sizes(n: int, k: int, weights: Sequence[float] | None = None) -> list[
     """Sizes of ``k`` parts of ``n`` examples: as equal as possible, or in proportion to
     ``weights`` (MXNet's ``work_load_list``).
 
-    ``split_sizes(10, 4) == [3, 3, 2, 2]`` (first parts larger);
-    ``split_sizes(128, 2, weights=[3, 1]) == [96, 32]``. Every part gets at least one
-    example, and the sizes always add up to ``n`` (largest remainders get the rest).
-    Raises ``ValueError`` when ``n < k``, which would leave a device with nothing to do,
-    or for weights that are not ``k`` positive numbers.
+    Every part gets at least one example, and the sizes always add up to ``n`` (largest
+    remainders get the rest). Raises ``ValueError`` when ``n < k``, which would leave a
+    device with nothing to do, or for weights that are not ``k`` positive numbers.
+
+    >>> split_sizes(10, 4)                      # the first parts are the larger ones
+    [3, 3, 2, 2]
+    >>> split_sizes(128, 2, weights=[3, 1])
+    [96, 32]
     """
     if k < 1:
         raise ValueError(f"need at least one device, got {k}")
