@@ -52,38 +52,3 @@ def test_unknown_wrapper_is_refused():
     with pytest.raises(ValueError, match="unknown wrapper"):
         data_parallel.compare(2, ["ddp"])
 
-
-def test_timeline_and_overlap_from_a_trace():
-    trace = {"traceEvents": [
-        {"ph": "X", "name": "aten::mm", "ts": 0, "dur": 10},                 # neither lane
-        {"ph": "X", "name": "autograd::engine::evaluate_function: AddmmBackward0",
-         "ts": 1000, "dur": 4000},
-        {"ph": "X", "name": "gloo:all_reduce", "ts": 3000, "dur": 4000},
-        {"ph": "i", "name": "gloo:all_reduce", "ts": 0}]}                    # an instant
-    lanes = data_parallel.timeline(trace)
-    assert lanes == {"backward": [(1.0, 4.0)], "allreduce": [(3.0, 4.0)]}
-    assert data_parallel.overlap_fraction(lanes) == pytest.approx(0.5)  # 2 of 4 ms hidden
-    assert data_parallel.overlap_fraction({"backward": [(0, 1)], "allreduce": []}) == 0
-
-
-def _launches(trace):
-    """When the main thread handed each allreduce over (ms), and when backward ended."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-    start = min(e["ts"] for e in events)
-    launch = sorted((e["ts"] - start) / 1e3 for e in events if e["name"] == "c10d::allreduce_")
-    lanes = data_parallel.timeline(trace)
-    return launch, max(s + d for s, d in lanes["backward"]), lanes
-
-
-@pytest.mark.timeout(180)
-def test_profile_shows_when_each_wrapper_communicates():
-    traces = data_parallel.profile(2, ("flat", "bucketed"), width=4, batch_size=16,
-                                   bucket_cap_mb=0.05, timeout=150)
-    launch, backward_end, lanes = _launches(traces["flat"])
-    assert len(launch) == len(lanes["allreduce"]) == 1
-    assert launch[0] >= backward_end                       # (b): after backward
-    from dpbook.torch.models import resnet18
-    buckets = data_parallel.make_buckets(list(resnet18(width=4).parameters()), 0.05)
-    launch, backward_end, lanes = _launches(traces["bucketed"])
-    assert len(launch) == len(lanes["allreduce"]) == len(buckets) > 1
-    assert launch[0] < backward_end                        # (d): the first bucket leaves early

@@ -132,8 +132,10 @@ def test_api_reference_lists_every_module():
                if not m.ispkg}
     for lang in ("en", "zh"):
         text = (ROOT / f"chapters/{lang}/appendix/api.md").read_text(encoding="utf8")
-        listed = set(re.findall(r"^\.\. automodule:: (\S+)$", text, re.M))
-        assert listed == modules, (lang, sorted(modules ^ listed))
+        listed = re.findall(r"^\.\. automodule:: (\S+)$", text, re.M)
+        assert set(listed) == modules and len(listed) == len(modules), (lang, listed)
+        headings = re.findall(r"^## .*$", text, re.M)
+        assert len(headings) == len(set(headings)), (lang, headings)    # each section once
 
 
 def test_api_reference_documents_the_public_api(site):

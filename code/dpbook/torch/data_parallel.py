@@ -23,14 +23,13 @@ wrapper                         allreduce calls per step     starts communicatin
 
 :func:`compare` runs each on real gloo processes against DDP; :func:`benchmark` times
 them; ``python -m dpbook.torch.data_parallel --nprocs 2`` does both.
+:mod:`dpbook.torch.profiling` records one step of each and shows the overlap.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ from .dist import process_group, run
 
 __all__ = ["DataParallel", "PerParameterDataParallel", "FlatDataParallel",
            "OverlapDataParallel", "BucketedDataParallel", "WRAPPERS", "wrap", "make_buckets",
-           "compare", "benchmark", "profile", "timeline", "overlap_fraction"]
+           "sync_gradients", "compare", "benchmark"]
 
 
 class DataParallel(nn.Module):
@@ -212,10 +211,11 @@ def wrap(name: str, module: nn.Module, bucket_cap_mb: float = 25) -> nn.Module:
     return WRAPPERS[name](module, bucket_cap_mb)
 
 
-def _finish(model: nn.Module) -> None:
+def sync_gradients(model: nn.Module) -> None:
+    """After ``backward()``: wait for a wrapper's gradient synchronization (DDP needs
+    nothing: it has already averaged the gradients during backward)."""
     if isinstance(model, DataParallel):
         model.finish_gradient_synchronization()
-    # DDP has already averaged the gradients during backward
 
 
 def _batches(kind: str, steps: int, batch_size: int, seed: int = 0):
@@ -259,7 +259,7 @@ def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, 
                 X, y = X.chunk(world_size)[rank].to(device), y.chunk(world_size)[rank].to(device)
                 optimizer.zero_grad()
                 F.cross_entropy(model(X), y).backward()
-                _finish(model)
+                sync_gradients(model)
                 optimizer.step()
             inner = model.module
             finals[name] = [p.detach().cpu() for p in inner.parameters()]
@@ -309,7 +309,7 @@ def bench_worker(rank: int, world_size: int, names: Sequence[str], batch_size: i
         def step(model, optimizer):
             optimizer.zero_grad()
             F.cross_entropy(model(X), y).backward()
-            _finish(model)
+            sync_gradients(model)
             optimizer.step()
 
         for model, optimizer in models.values():
@@ -340,109 +340,6 @@ def benchmark(nprocs: int, names: Sequence[str] = tuple(WRAPPERS), batch_size: i
     processes: ``{"steps_per_sec": {name: …}, "hardware": …}``."""
     return run(bench_worker, nprocs, list(names), batch_size, rounds, steps, bucket_cap_mb,
                timeout=timeout)
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Send the process's stderr (file descriptor 2) to /dev/null for a moment: the
-    profiler's C++ side prints a "profiler_start"/"profiler_stop" line on every start and
-    no setting turns it off. Python exceptions still propagate."""
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def profile_worker(rank: int, world_size: int, names: Sequence[str], width: int,
-                   batch_size: int, bucket_cap_mb: float, out: str) -> None:
-    """Two warm-up steps, then one step of ResNet-18 (``width`` channels) per wrapper, which
-    rank 0 records with ``torch.profiler`` and saves as a Chrome trace, ``out.<name>.json``
-    (the other ranks take the same step unrecorded: every allreduce needs all of them)."""
-    from .models import resnet18
-    with process_group(rank, world_size) as device:
-        g = torch.Generator().manual_seed(rank)
-        X = torch.rand(batch_size // world_size, 1, 28, 28, generator=g).to(device)
-        y = torch.randint(0, 10, (batch_size // world_size,), generator=g).to(device)
-        for name in names:
-            torch.manual_seed(0)
-            model = wrap(name, resnet18(width=width).to(device), bucket_cap_mb)
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-            def step():
-                optimizer.zero_grad()
-                F.cross_entropy(model(X), y).backward()
-                _finish(model)
-                optimizer.step()
-
-            step()
-            step()                                 # DDP has rebuilt its buckets by now
-            dist.barrier()
-            if rank == 0:
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                if device.type == "cuda":
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
-                with _quiet_stderr(), torch.profiler.profile(activities=activities) as prof:
-                    step()
-                prof.export_chrome_trace(f"{out}.{name}.json")
-            else:
-                step()
-        if rank == 0:
-            Path(out).write_text(json.dumps(list(names)))
-
-
-def profile(nprocs: int, names: Sequence[str] = ("flat", "bucketed", "ddp"), width: int = 16,
-            batch_size: int = 64, bucket_cap_mb: float = 1, timeout: float = 300
-            ) -> dict[str, dict]:
-    """Profile one training step of each wrapper on ``nprocs`` processes (see
-    :func:`profile_worker`); returns ``{name: Chrome trace (a dict with "traceEvents")}``."""
-    def read(out: str) -> dict[str, dict]:
-        return {name: json.loads(Path(f"{out}.{name}.json").read_text())
-                for name in json.loads(Path(out).read_text())}
-    return run(profile_worker, nprocs, list(names), width, batch_size, bucket_cap_mb,
-               timeout=timeout, read=read)
-
-
-def timeline(trace: dict) -> dict[str, list[tuple[float, float]]]:
-    """The two lanes of a profiled step, from the trace's own events, as ``(start, length)``
-    in milliseconds from the step's first event: ``"backward"`` (autograd's evaluation of
-    each backward function, on the main thread) and ``"allreduce"`` (the collective as
-    gloo or NCCL ran it, on their own threads)."""
-    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-    start = min(e["ts"] for e in events)
-    lanes: dict[str, list[tuple[float, float]]] = {"backward": [], "allreduce": []}
-    for e in events:
-        name = e["name"]
-        if name.startswith("autograd::engine::evaluate_function:"):
-            lane = "backward"
-        elif name in ("gloo:all_reduce", "nccl:all_reduce"):
-            lane = "allreduce"
-        else:
-            continue
-        lanes[lane].append(((e["ts"] - start) / 1e3, e["dur"] / 1e3))
-    return {lane: sorted(spans) for lane, spans in lanes.items()}
-
-
-def _union(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for s, d in sorted(spans):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], s + d)
-        else:
-            merged.append([s, s + d])
-    return [(a, b) for a, b in merged]
-
-
-def overlap_fraction(lanes: dict[str, list[tuple[float, float]]]) -> float:
-    """The share of the allreduce lane's busy time during which backward was running too:
-    0 when communication only starts after backward, near 1 when it hides behind it."""
-    comm, back = _union(lanes["allreduce"]), _union(lanes["backward"])
-    busy = sum(b - a for a, b in comm)
-    hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in back)
-    return hidden / busy if busy else 0.0
 
 
 def main(argv: list[str] | None = None) -> None:
