@@ -28,14 +28,13 @@ import argparse
 import functools
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .dist import process_group, run
+from .dist import process_group, run, slowest_seconds
 from .devices import hardware_line
 
 __all__ = ["naive_allreduce", "ring_allreduce", "tree_allreduce", "gloo_allreduce",
@@ -207,12 +206,7 @@ def bench_worker(rank: int, world_size: int,
             for _ in range(repeats):
                 for label, fn in algorithms.items():
                     x.copy_(data)             # every call sums ones: the sum stays N, finite
-                    dist.barrier()
-                    tik = time.perf_counter()
-                    fn(x)
-                    took = torch.tensor([time.perf_counter() - tik], dtype=torch.float64)
-                    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                    times[label].append(took.item())
+                    times[label].append(slowest_seconds(lambda: fn(x)))
                     correct[label] &= bool((x == world_size).all())   # after the clock
             results += [{"algorithm": label, "processes": world_size, "bytes": nbytes,
                          "seconds": statistics.median(times[label]),

@@ -31,7 +31,6 @@ import argparse
 import itertools
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -42,7 +41,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .devices import hardware_line
-from .dist import process_group, run
+from .dist import process_group, run, slowest_seconds
 
 __all__ = ["DataParallel", "PerParameterDataParallel", "FlatDataParallel",
            "OverlapDataParallel", "BucketedDataParallel", "WRAPPERS", "wrap", "make_buckets",
@@ -318,15 +317,8 @@ def bench_worker(rank: int, world_size: int, names: Sequence[str], batch_size: i
         speeds = {name: [] for name in names}
         for _ in range(rounds):
             for name, (model, optimizer) in models.items():
-                dist.barrier()
-                tik = time.perf_counter()
-                for _ in range(steps):
-                    step(model, optimizer)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                took = torch.tensor([time.perf_counter() - tik], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)   # the slowest process
-                speeds[name].append(steps / took.item())
+                seconds = slowest_seconds(lambda: [step(model, optimizer) for _ in range(steps)])
+                speeds[name].append(steps / seconds)
         if rank == 0:
             Path(out).write_text(json.dumps({
                 "steps_per_sec": {n: statistics.median(s) for n, s in speeds.items()},

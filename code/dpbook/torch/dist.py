@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from ..launch import free_port
 
 __all__ = ["free_port", "spawn", "run", "read_json", "init_process", "process_group",
-           "LAUNCHER_VARIABLES", "rank_from_env", "torchrun_command"]
+           "slowest_seconds", "LAUNCHER_VARIABLES", "rank_from_env", "torchrun_command"]
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300) -> None:
@@ -127,6 +127,22 @@ def process_group(rank: int, world_size: int, local_rank: int | None = None,
         yield device
     finally:
         dist.destroy_process_group()
+
+
+def slowest_seconds(fn: Callable[[], Any]) -> float:
+    """Call ``fn()`` on every process of the group, started together (a barrier), and
+    return the seconds the *slowest* process took: a collective step is only as fast as
+    its slowest member. Waits for the GPU before reading the clock."""
+    dist.barrier()
+    tik = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    device = (torch.device("cuda", torch.cuda.current_device())   # NCCL sums GPU tensors
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    took = torch.tensor([time.perf_counter() - tik], dtype=torch.float64, device=device)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
