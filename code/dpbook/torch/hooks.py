@@ -4,7 +4,8 @@ DDP calls a communication hook once per bucket of gradients instead of its own
 allreduce (``model.register_comm_hook(state, hook)``). :func:`counting_hook` does what
 DDP does by default; :func:`counting_compress_hook` is PyTorch's ``fp16_compress_hook`` /
 ``bf16_compress_hook``. Both add each call and its bytes to a :class:`Counter`, the
-``state`` they are registered with::
+``state`` they are registered with (:func:`recording_hook` instead writes down which
+parameters each bucket holds, in a :class:`BucketLog`)::
 
     counter = Counter()
     model.register_comm_hook(counter, counting_hook)
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-__all__ = ["Counter", "counting_hook", "counting_compress_hook", "HOOKS", "register"]
+__all__ = ["Counter", "counting_hook", "counting_compress_hook", "HOOKS", "register",
+           "BucketLog", "recording_hook"]
 
 
 @dataclasses.dataclass
@@ -69,3 +71,36 @@ def register(model: torch.nn.parallel.DistributedDataParallel, name: str = "floa
     model.register_comm_hook(counter, counting_hook if counter.dtype is None
                              else counting_compress_hook)
     return counter
+
+
+@dataclasses.dataclass
+class BucketLog:
+    """What :func:`recording_hook` saw: per backward pass, the buckets in the order DDP
+    handed them over, each ``{"index", "params", "bytes"}`` (parameter names from
+    ``names``: ``id(parameter)`` → name); and the storage of every bucket buffer of the
+    latest pass (``data_ptr`` → bytes), to tell whether the gradients live in the buckets."""
+
+    names: dict
+    iterations: list = dataclasses.field(default_factory=list)
+    storages: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "BucketLog":
+        return cls(names={id(p): n for n, p in module.named_parameters()})
+
+    def new_iteration(self) -> None:
+        """Call before each backward pass."""
+        self.iterations.append([])
+        self.storages.clear()        # DDP may have rebuilt, and freed, the buckets
+
+
+def recording_hook(log: BucketLog, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default allreduce (``default_hooks.allreduce_hook``), after writing down the
+    bucket's index, its parameters' names and its bytes in ``log``."""
+    buffer = bucket.buffer()
+    log.iterations[-1].append({"index": bucket.index(),
+                               "params": [log.names[id(p)] for p in bucket.parameters()],
+                               "bytes": buffer.numel() * buffer.element_size()})
+    storage = buffer.untyped_storage()
+    log.storages[storage.data_ptr()] = storage.nbytes()
+    return default_hooks.allreduce_hook(None, bucket)   # None: the default process group
