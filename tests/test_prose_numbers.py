@@ -16,7 +16,8 @@ import pytest
 
 from book import ROOT, is_notebook
 
-CHECKED = ["devices", "from-scratch", "concise", "inside-ddp", "communication", "multi-machine"]
+CHECKED = ["devices", "from-scratch", "concise", "inside-ddp", "sharded", "communication",
+           "multi-machine"]
 
 # (page, number) -> where it comes from. Keep it short: a number from a run is glued.
 ALLOWED = {

@@ -1,0 +1,131 @@
+"""PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) on a CPU device mesh, measured
+with the counting of :mod:`dpbook.torch.zero`.
+
+``fully_shard`` turns every parameter of a module into a DTensor sharded along dimension 0
+over a device mesh (``init_device_mesh("cpu", (N,))`` with gloo works); forward and
+backward hooks all-gather a module's parameters before use and reduce-scatter its
+gradients, the design of :class:`dpbook.torch.zero.ZeroModel`. :func:`compare` trains
+LeNet with it and checks it against one process; :func:`counting` counts the collectives
+FSDP2 calls, by wrapping ``torch.distributed``'s functions for the duration.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from .zero import OPTIMIZERS, Traffic, batch, reference
+
+__all__ = ["counting", "shard_lenet", "fsdp_worker", "compare"]
+
+
+@contextlib.contextmanager
+def counting(traffic: Traffic) -> Iterator[Traffic]:
+    """Within the block, add every ``all_gather_single``, ``reduce_scatter_single`` and
+    ``all_reduce`` of ``torch.distributed`` (FSDP2 calls them through the module) to
+    ``traffic``, with the bytes of the full tensor."""
+    originals = {name: getattr(dist, name) for name in
+                 ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+
+    def all_gather_single(output, input, *args, **kwargs):
+        traffic.add("all-gather", output.numel() * output.element_size())
+        return originals["all_gather_single"](output, input, *args, **kwargs)
+
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        traffic.add("reduce-scatter", input.numel() * input.element_size())
+        return originals["reduce_scatter_single"](output, input, *args, **kwargs)
+
+    def all_reduce(tensor, *args, **kwargs):
+        traffic.add("allreduce", tensor.numel() * tensor.element_size())
+        return originals["all_reduce"](tensor, *args, **kwargs)
+
+    patched = {"all_gather_single": all_gather_single,
+               "reduce_scatter_single": reduce_scatter_single, "all_reduce": all_reduce}
+    try:
+        for name, fn in patched.items():
+            setattr(dist, name, fn)
+        yield traffic
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def shard_lenet(reshard_after_forward: bool = True) -> torch.nn.Module:
+    """LeNet (seed 0) with ``fully_shard`` on each layer that has parameters, then on the
+    whole model, over a 1-D CPU mesh of all the processes of the group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from .models import lenet
+    torch.manual_seed(0)
+    model = lenet()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def _unsharded_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters registered on ``model`` as whole tensors: FSDP2 registers
+    the gathered parameters while it uses them, and the sharded DTensors otherwise."""
+    from torch.distributed.tensor import DTensor
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if not isinstance(p, DTensor))
+
+
+def fsdp_worker(rank: int, world_size: int, optimizer: str, steps: int, batch_size: int,
+                out: str) -> None:
+    """LeNet under FSDP2, with and without ``reshard_after_forward``; rank 0 saves, per
+    setting, the final parameters, the last step's traffic, the whole-parameter bytes held
+    between forward and backward, and each parameter's local shard shape."""
+    from torch.distributed.tensor import DTensor
+    from .dist import process_group
+    cls, kwargs = OPTIMIZERS[optimizer]
+    with process_group(rank, world_size):
+        results = {}
+        for reshard in (True, False):
+            model = shard_lenet(reshard)
+            opt = cls(model.parameters(), **kwargs)
+            traffic = Traffic(world_size)
+            held = 0
+            for step in range(steps):
+                X, y = batch(step, batch_size)
+                X, y = X.chunk(world_size)[rank], y.chunk(world_size)[rank]
+                last = step == steps - 1
+                with counting(traffic) if last else contextlib.nullcontext():
+                    opt.zero_grad()
+                    loss = F.cross_entropy(model(X), y)
+                    held = _unsharded_bytes(model)         # between forward and backward
+                    loss.backward()
+                    opt.step()
+            params = {name: p.full_tensor().detach().clone() for name, p in
+                      model.named_parameters()}
+            results[reshard] = {
+                "params": params, "sent": traffic.sent(), "calls": dict(traffic.calls),
+                "held_between": held,
+                "shards": {name: (tuple(p.shape), tuple(p.to_local().shape), str(p.placements))
+                           for name, p in model.named_parameters() if isinstance(p, DTensor)}}
+        if rank == 0:
+            torch.save(results, out)
+
+
+def compare(nprocs: int, optimizer: str = "adam", steps: int = 3, batch_size: int = 48,
+            timeout: float = 300) -> dict:
+    """Train LeNet with FSDP2 on ``nprocs`` processes, ``reshard_after_forward`` on
+    (key ``True``) and off (``False``); each result has the ``difference`` from one process
+    (:func:`dpbook.torch.zero.reference`), ``sent``/``calls`` of the last step, the bytes of
+    whole parameters ``held_between`` forward and backward, and rank 0's ``shards``."""
+    from .dist import run
+    if batch_size % nprocs:
+        raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
+    results = run(fsdp_worker, nprocs, optimizer, steps, batch_size, timeout=timeout,
+                  read=torch.load)
+    ref = reference(optimizer, steps, batch_size)
+    for r in results.values():
+        r["difference"] = max((r["params"][k] - v).abs().max().item() for k, v in ref.items())
+        del r["params"]
+    return results

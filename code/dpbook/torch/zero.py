@@ -1,0 +1,432 @@
+"""ZeRO from scratch: the optimizer state (stage 1), the gradients (stage 2) and the
+parameters (stage 3, FSDP) sharded over the processes of a group.
+
+Every parameter is sharded on its own, as PyTorch's FSDP2 does: flattened, padded with
+zeros to a multiple of N, cut into N equal slices; rank r owns slice r (:class:`Shard`).
+Two collectives do all the communication, the two halves of the ring allreduce:
+reduce-scatter (each rank gets the sum of its own slice) and all-gather (each rank gets
+every slice). :class:`Traffic` counts what they carry.
+
+* :class:`ZeroOptimizer` (stages 1 and 2) is a ``torch.optim.Optimizer`` that wraps any
+  optimizer class: it keeps the inner optimizer's state for this rank's slices only.
+  Stage 1 reduce-scatters the full gradients in ``step()``; stage 2 reduce-scatters each
+  gradient the moment backward has produced it and frees it. Then the inner optimizer
+  updates the slices, and an all-gather gives every rank every updated parameter.
+* :class:`ZeroModel` (stage 3) keeps only slices of the parameters between uses: it
+  all-gathers a layer's parameters before its forward, frees them after, all-gathers them
+  again before its backward, and reduce-scatters their gradients. Train it with any
+  optimizer over :meth:`ZeroModel.shards`.
+
+Elementwise optimizers (SGD, momentum, Adam, AdamW) give the same step sharded or not; one
+that needs the whole gradient (gradient clipping by the global norm) needs one more
+allreduce, of the norm.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+# ZeroModel's backward pre-hook on the first layer, whose input (the images) needs no
+# gradient, fires on the output's gradient instead; that is what it wants. PyTorch warns.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
+                        "computed with respect to module outputs since no inputs require")
+
+__all__ = ["Traffic", "Shard", "reduce_scatter_mean", "all_gather", "ZeroOptimizer",
+           "ZeroModel", "held_bytes", "OPTIMIZERS", "batch", "stage_worker", "reference",
+           "compare"]
+
+
+@dataclasses.dataclass
+class Traffic:
+    """What the collectives of one rank carried: calls and full-tensor bytes per kind, and
+    the bytes this rank *sends* with ring algorithms, (N-1)/N of a reduce-scatter's or an
+    all-gather's full tensor and 2 (N-1)/N of an allreduce's."""
+
+    world_size: int
+    calls: dict = dataclasses.field(default_factory=dict)
+    full_bytes: dict = dataclasses.field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.full_bytes[kind] = self.full_bytes.get(kind, 0) + nbytes
+
+    def sent(self) -> float:
+        n = self.world_size
+        share = {"reduce-scatter": (n - 1) / n, "all-gather": (n - 1) / n,
+                 "allreduce": 2 * (n - 1) / n}
+        return sum(share[k] * b for k, b in self.full_bytes.items())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.full_bytes.clear()
+
+
+class Shard:
+    """Where rank ``rank``'s slice of a parameter of ``numel`` values lies: the parameter,
+    flattened and padded to ``padded`` = N ⌈numel / N⌉ values, is cut into N slices of
+    ``size``; ours is ``[start, start + size)`` (partly or wholly padding on the last ranks).
+
+    >>> s = Shard(10, rank=2, world_size=3); (s.padded, s.size, s.start, s.real)
+    (12, 4, 8, 2)
+    """
+
+    def __init__(self, numel: int, rank: int, world_size: int):
+        self.numel, self.world_size = numel, world_size
+        self.size = math.ceil(numel / world_size)
+        self.padded = self.size * world_size
+        self.start = rank * self.size
+        self.real = max(0, min(numel - self.start, self.size))   # values that are not padding
+
+    def pad(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` flattened and padded with zeros to ``padded`` values."""
+        return F.pad(t.reshape(-1), (0, self.padded - self.numel))
+
+    def slice(self, t: torch.Tensor) -> torch.Tensor:
+        """Our slice of ``t`` (the parameter itself, or its gradient): a copy, padded."""
+        return self.pad(t)[self.start:self.start + self.size].clone()
+
+
+def reduce_scatter_mean(full: torch.Tensor, shard: Shard, traffic: Traffic | None = None
+                        ) -> torch.Tensor:
+    """Every rank passes its whole tensor (a gradient); each gets back the mean over the
+    ranks of its own slice. One reduce-scatter."""
+    padded = shard.pad(full).contiguous()
+    out = torch.empty(shard.size, dtype=full.dtype, device=full.device)
+    dist.reduce_scatter_single(out, padded, op=dist.ReduceOp.SUM)
+    if traffic is not None:
+        traffic.add("reduce-scatter", padded.numel() * padded.element_size())
+    return out.div_(shard.world_size)
+
+
+def all_gather(part: torch.Tensor, shard: Shard, traffic: Traffic | None = None
+               ) -> torch.Tensor:
+    """Every rank passes its slice; each gets back the whole flat tensor (``numel``
+    values, the padding dropped). One all-gather."""
+    out = torch.empty(shard.padded, dtype=part.dtype, device=part.device)
+    dist.all_gather_single(out, part.contiguous())
+    if traffic is not None:
+        traffic.add("all-gather", out.numel() * out.element_size())
+    return out[:shard.numel]
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1 or 2 around ``optimizer_class(**defaults)``: each rank keeps the
+    optimizer state of its own slice of every parameter, 1/N of the whole.
+
+    Call it like the optimizer it wraps: ``loss.backward(); opt.step(); opt.zero_grad()``,
+    *without* DDP (it does the communication). The ranks must start from the same
+    parameters. ``param_groups`` holds the full parameters, so a learning-rate scheduler
+    works unchanged; ``step()`` passes their hyperparameters to the inner optimizer.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], optimizer_class: type, stage: int = 1,
+                 **defaults):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroOptimizer does stages 1 and 2; for stage 3 use "
+                             f"ZeroModel (got stage={stage})")
+        if not dist.is_initialized():
+            raise RuntimeError("ZeroOptimizer needs a process group (dist.init_process_group)")
+        params = [p for p in params if p.requires_grad]
+        with torch.no_grad():          # like DDP: every rank starts from rank 0's parameters
+            for p in params:
+                dist.broadcast(p, 0)
+        super().__init__(params, defaults)
+        self.stage = stage
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.traffic = Traffic(world_size)
+        self.shards = {p: Shard(p.numel(), rank, world_size) for p in params}
+        # This rank's slice of every parameter, in float32: what the inner optimizer updates.
+        self.slices = {p: s.slice(p.detach()).float().requires_grad_()
+                       for p, s in self.shards.items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self.slices[p] for p in g["params"]]} for g in self.param_groups]
+        self.inner = optimizer_class(groups, **defaults)
+        self._hooks = []
+        if stage == 2:      # reduce-scatter each gradient as soon as backward produces it
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._scatter_grad))
+
+    def _scatter_grad(self, p: torch.Tensor) -> None:
+        part = reduce_scatter_mean(p.grad, self.shards[p], self.traffic).float()
+        s = self.slices[p]
+        s.grad = part if s.grad is None else s.grad.add_(part)   # accumulation works
+        p.grad = None                                               # the full gradient: freed
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for outer, inner in zip(self.param_groups, self.inner.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        if self.stage == 1:
+            for p in self.shards:
+                if p.grad is not None:
+                    self._scatter_grad(p)
+        self.inner.step()
+        for p, shard in self.shards.items():
+            p.copy_(all_gather(self.slices[p].to(p.dtype), shard, self.traffic).view_as(p))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.inner.zero_grad(set_to_none)
+
+
+class ZeroModel(nn.Module):
+    """ZeRO stage 3 (FSDP) around ``module``: between uses, each rank holds only its slice
+    of every parameter (:meth:`shards`, float32: the master weights).
+
+    Every submodule that owns parameters is a *unit*: a forward pre-hook all-gathers its
+    parameters, a forward hook frees them, a backward pre-hook all-gathers them again,
+    and a hook on each parameter reduce-scatters its gradient into the slice's ``.grad``
+    and frees the rest. With ``compute_dtype`` (e.g. ``torch.bfloat16``) the parameters
+    travel and compute in that type and their gradients come back in it, while the slices
+    and the optimizer state stay float32. :meth:`full_state_dict` gathers a checkpoint.
+    """
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError("ZeroModel needs a process group (dist.init_process_group)")
+        self.module = module
+        self.compute_dtype = compute_dtype
+        with torch.no_grad():          # like DDP: every rank starts from rank 0's parameters
+            for p in module.parameters():
+                dist.broadcast(p, 0)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        self.traffic = Traffic(world_size)
+        self.units: list[nn.Module] = []
+        self._shard: dict[nn.Parameter, Shard] = {}
+        self._slice: dict[nn.Parameter, torch.Tensor] = {}
+        self._dtype: dict[nn.Parameter, torch.dtype] = {}
+        self._shape: dict[nn.Parameter, torch.Size] = {}
+        self._pending: dict[nn.Module, int] = {}
+        owner: dict[nn.Parameter, str] = {}
+        for name, unit in module.named_modules():
+            own = [p for p in unit.parameters(recurse=False) if p.requires_grad]
+            if not own:
+                continue
+            for p in own:
+                if p in owner:
+                    raise ValueError(f"a parameter of {name!r} also belongs to "
+                                     f"{owner[p]!r}: shared (tied) parameters are not "
+                                     "supported by this ZeroModel")
+                owner[p] = name
+                shard = Shard(p.numel(), rank, world_size)
+                self._shard[p] = shard
+                self._slice[p] = shard.slice(p.detach()).float().requires_grad_()
+                self._dtype[p] = compute_dtype or p.dtype
+                self._shape[p] = p.shape
+                p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
+            self.units.append(unit)
+            unit.register_forward_pre_hook(lambda m, args: self._gather(m))
+            unit.register_forward_hook(lambda m, args, out: self._free(m))
+            unit.register_full_backward_pre_hook(lambda m, grad_out: self._gather(m))
+            self._free(unit)
+
+    def _own(self, unit: nn.Module) -> list[nn.Parameter]:
+        return [p for p in unit.parameters(recurse=False) if p in self._shard]
+
+    @torch.no_grad()
+    def _gather(self, unit: nn.Module) -> None:
+        for p in self._own(unit):
+            full = all_gather(self._slice[p].to(self._dtype[p]), self._shard[p], self.traffic)
+            p.data = full.view(self._shape[p])
+        self._pending[unit] = len(self._own(unit))
+
+    def _free(self, unit: nn.Module) -> None:
+        for p in self._own(unit):      # an empty tensor of the parameter's shape would
+            p.data = torch.empty(0, dtype=self._dtype[p], device=p.device)  # be numel bytes
+
+    def _make_grad_hook(self, unit: nn.Module) -> Callable:
+        def hook(p: nn.Parameter) -> None:
+            part = reduce_scatter_mean(p.grad, self._shard[p], self.traffic).float()
+            s = self._slice[p]
+            s.grad = part if s.grad is None else s.grad.add_(part)
+            p.grad = None
+            self._pending[unit] -= 1
+            if self._pending[unit] == 0:           # the unit's backward is done: free it
+                self._free(unit)
+        return hook
+
+    def forward(self, *args, **kwargs):
+        if self.compute_dtype is not None:      # the inputs in the parameters' type
+            args, kwargs = _cast_floats(args, kwargs, self.compute_dtype)
+        return self.module(*args, **kwargs)
+
+    def shards(self) -> list[torch.Tensor]:
+        """This rank's float32 slices of the parameters: give them to the optimizer."""
+        return list(self._slice.values())
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, in float32, on every rank (one all-gather each): a
+        checkpoint that loads into the unsharded model."""
+        out = {}
+        for name, p in self.module.named_parameters():
+            if p in self._shard:
+                out[name] = all_gather(self._slice[p].detach(), self._shard[p]).view(self._shape[p])
+        return out
+
+
+def _cast_floats(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
+    """The floating-point tensors among ``args`` and ``kwargs`` cast to ``dtype``."""
+    def cast(t):
+        return t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def held_bytes(tensors: dict[str, Iterable[torch.Tensor]]) -> dict[str, int]:
+    """Bytes of the storage behind each category's tensors, e.g. ``{"params": [...],
+    "grads": [...], "optimizer": [...]}``; a storage shared by several tensors (or counted
+    in an earlier category) counts once, a freed one (size 0) not at all."""
+    seen, out = set(), {}
+    for category, ts in tensors.items():
+        total = 0
+        for t in ts:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        out[category] = total
+    return out
+
+
+# ---------------------------------------------------------------- the experiment
+
+#: The optimizers :func:`compare` knows: name → (class, keyword arguments).
+OPTIMIZERS = {"adam": (torch.optim.Adam, {"lr": 1e-3}),
+              "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}),
+              "sgd-momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})}
+
+
+def batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random minibatch of ``step`` (images, labels): the same in every process."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.rand(batch_size, 1, 28, 28, generator=g),
+            torch.randint(0, 10, (batch_size,), generator=g))
+
+
+def _train(stage: int, optimizer: str, steps: int, batch_size: int, rank: int,
+           world_size: int, compute_dtype: torch.dtype | None = None) -> dict:
+    """``steps`` steps of LeNet at ``stage`` (0: DDP) on this rank's share of each batch;
+    the final parameters, one step's traffic and the bytes held, by category."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from .hooks import register
+    from .models import lenet
+    cls, kwargs = OPTIMIZERS[optimizer]
+    torch.manual_seed(0)
+    model = lenet()
+    counter = None
+    if stage == 0:
+        model = DDP(model, gradient_as_bucket_view=True)
+        counter = register(model)                     # counts the allreduce bytes
+        opt = cls(model.parameters(), **kwargs)
+    elif stage in (1, 2):
+        opt = ZeroOptimizer(model.parameters(), cls, stage=stage, **kwargs)
+    else:
+        model = ZeroModel(model, compute_dtype)
+        opt = cls(model.shards(), **kwargs)
+    traffic = opt.traffic if stage in (1, 2) else model.traffic if stage == 3 else None
+    held: dict[str, int] = {}
+
+    def snapshot():
+        slices = (list(opt.slices.values()) if stage in (1, 2)
+                  else model.shards() if stage == 3 else [])
+        now = held_bytes({
+            "params": list(model.parameters()),
+            "slices": slices,
+            "grads": [p.grad for p in model.parameters()] + [s.grad for s in slices],
+            "optimizer": [t for state in (opt.inner if stage in (1, 2) else opt).state.values()
+                          for t in state.values() if torch.is_tensor(t) and t.dim() > 0]})
+        for k, v in now.items():
+            held[k] = max(held.get(k, 0), v)
+
+    for step in range(steps):
+        if step == steps - 1:                          # count the last step only
+            if traffic is not None:
+                traffic.reset()
+            if counter is not None:
+                counter.bytes = counter.calls = 0
+        X, y = batch(step, batch_size)
+        X, y = X.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        opt.zero_grad()
+        F.cross_entropy(model(X), y).backward()
+        if step == steps - 1:
+            snapshot()
+        opt.step()
+        if step == steps - 1:
+            snapshot()
+    if stage == 0:
+        traffic = Traffic(world_size)
+        traffic.full_bytes["allreduce"] = counter.bytes
+        traffic.calls["allreduce"] = counter.calls
+        params = {k: v.detach().clone() for k, v in model.module.named_parameters()}
+    elif stage == 3:
+        params = model.full_state_dict()
+    else:
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return {"params": params, "sent": traffic.sent(), "calls": dict(traffic.calls),
+            "held": held}
+
+
+def stage_worker(rank: int, world_size: int, stages: list[int], optimizer: str, steps: int,
+                 batch_size: int, compute_dtype: str | None, out: str) -> None:
+    """Every stage of ``stages`` in turn on this process group; rank 0 saves the results."""
+    from .dist import process_group
+    dtype = getattr(torch, compute_dtype) if compute_dtype else None
+    with process_group(rank, world_size):
+        results = {stage: _train(stage, optimizer, steps, batch_size, rank, world_size,
+                                 dtype if stage == 3 else None) for stage in stages}
+        if rank == 0:
+            torch.save(results, out)
+
+
+def reference(optimizer: str, steps: int, batch_size: int) -> dict[str, torch.Tensor]:
+    """The same training in one process on the whole batches: what every stage must equal."""
+    from .models import lenet
+    cls, kwargs = OPTIMIZERS[optimizer]
+    torch.manual_seed(0)
+    model = lenet()
+    opt = cls(model.parameters(), **kwargs)
+    for step in range(steps):
+        X, y = batch(step, batch_size)
+        opt.zero_grad()
+        F.cross_entropy(model(X), y).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def compare(nprocs: int, stages: Iterable[int] = (0, 1, 2, 3), optimizer: str = "adam",
+            steps: int = 3, batch_size: int = 48, compute_dtype: str | None = None,
+            timeout: float = 300) -> dict:
+    """Train LeNet ``steps`` steps with each ZeRO ``stage`` (0: DDP) on ``nprocs``
+    processes and in one process. Per stage: ``difference`` (largest parameter difference
+    from the one-process run), ``sent`` (bytes one rank sent in the last step, ring
+    collectives), ``calls`` (collectives of that step), ``held`` (bytes rank 0 held per
+    category: full ``params``, its float32 ``slices``, ``grads``, ``optimizer`` state)."""
+    from .dist import run
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {list(OPTIMIZERS)}")
+    if batch_size % nprocs:
+        raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
+    stages = list(stages)
+    results = run(stage_worker, nprocs, stages, optimizer, steps, batch_size, compute_dtype,
+                  timeout=timeout, read=torch.load)
+    ref = reference(optimizer, steps, batch_size)
+    for r in results.values():
+        r["difference"] = max((r["params"][k] - v).abs().max().item() for k, v in ref.items())
+        del r["params"]
+    return results
