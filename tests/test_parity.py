@@ -49,8 +49,9 @@ def test_strip_comments_keeps_strings():
 
 
 def test_every_literalinclude_names_an_object_that_exists():
-    """A ``{literalinclude}`` with ``:pyobject:`` points at a top-level function or class of
-    an existing file (a moved helper fails here in a second, not in the site build)."""
+    """A ``{literalinclude}`` with ``:pyobject:`` points at a top-level function or class, or
+    a method of one (``Class.method``), of an existing file (a moved helper fails here in a
+    second, not in the site build)."""
     import ast
     import re
     wrong = []
@@ -59,9 +60,12 @@ def test_every_literalinclude_names_an_object_that_exists():
             text = md.read_text(encoding="utf8")
             for m in re.finditer(r"```\{literalinclude\} (\S+)\n(?::\w+:.*\n)*?:pyobject: (\S+)", text):
                 path = (md.parent / m.group(1)).resolve()
-                names = ({n.name for n in ast.parse(path.read_text()).body
-                          if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-                         if path.is_file() else set())
-                if m.group(2).split(".")[0] not in names:
+                body = ast.parse(path.read_text()).body if path.is_file() else []
+                *outer, last = m.group(2).split(".")
+                for part in outer:                   # Class.method: look inside the class
+                    body = next((n.body for n in body
+                                 if isinstance(n, ast.ClassDef) and n.name == part), [])
+                names = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                if last not in names:
                     wrong.append(f"{md.relative_to(ROOT)}: {m.group(1)} :pyobject: {m.group(2)}")
     assert not wrong, wrong

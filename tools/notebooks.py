@@ -28,6 +28,7 @@ import io
 import json
 import re
 import sys
+import textwrap
 import tokenize
 from pathlib import Path
 
@@ -143,15 +144,21 @@ def notebook_path(entry: str) -> Path:
 
 
 def pyobject_source(path: Path, name: str) -> str:
-    """The source of the top-level function or class ``name`` in ``path``."""
+    """The source of the top-level function or class ``name`` in ``path``, or of a method
+    (``Class.method``, dedented), as Sphinx's ``:pyobject:`` finds them."""
     text = path.read_text(encoding="utf8")
-    for node in ast.parse(text).body:
+    body = ast.parse(text).body
+    *outer, last = name.split(".")
+    for part in outer:                      # into the class, for Class.method
+        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == part),
+                    [])
+    for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
-                and node.name == name:
+                and node.name == last:
             lines = text.splitlines()
             start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-            return "\n".join(lines[start:node.end_lineno])
-    raise LookupError(f"{name} is not defined at the top level of {path}")
+            return textwrap.dedent("\n".join(lines[start:node.end_lineno]))
+    raise LookupError(f"{name} is not defined in {path}")
 
 
 FENCE = re.compile(r"^(?P<fence>```+|:::+)\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n"
