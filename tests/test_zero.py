@@ -122,11 +122,15 @@ def _other_model_worker(rank, world_size, out):
             else:
                 model = zero.ZeroModel(model)
                 opt = torch.optim.AdamW(model.shards(), lr=0.01, weight_decay=0.1)
+            schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
             for X, y in _other_batches():
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(X.chunk(world_size)[rank]),
                                             y.chunk(world_size)[rank]).backward()
                 opt.step()
+                schedule.step()
+                if name == "stage 2":               # a sharded checkpoint round trip
+                    opt.load_state_dict(opt.state_dict())
             state = (model.full_state_dict() if name == "stage 3"
                      else {k: v.detach() for k, v in model.named_parameters()})
             results[name] = state
@@ -135,14 +139,17 @@ def _other_model_worker(rank, world_size, out):
 
 
 def test_another_model():
-    """A LayerNorm, a GELU and a linear layer without bias; 3 processes; AdamW."""
+    """A LayerNorm, a GELU and a linear layer without bias; 3 processes; AdamW with a
+    learning-rate schedule (it sets the wrapper's param_groups, which step() passes on)."""
     results = run(_other_model_worker, 3, read=torch.load)
     model = _other_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for X, y in _other_batches():
         opt.zero_grad()
         nn.functional.cross_entropy(model(X), y).backward()
         opt.step()
+        schedule.step()
     for name, state in results.items():
         for k, v in model.named_parameters():
             assert (state[k] - v).abs().max() < TOL, (name, k)

@@ -47,11 +47,14 @@ INSTALL_COMMENT = {
            "# `dpbook` 不依赖torch和jax，所以pip不会改动已经安装的版本。"),
 }
 INSTALL_CODE = """\
-import importlib.util, subprocess, sys
+import importlib.util, os, subprocess, sys
 
 if importlib.util.find_spec("dpbook") is None:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
-                    "dpbook @ {url}"], check=True)"""
+                    "dpbook @ {url}"], check=True)
+os.environ.setdefault("DPBOOK_LANG", "{lang}")   # {lang_comment}"""
+LANG_COMMENT = {"en": "the language of the exercises' hints",
+                "zh": "练习检查的提示使用的语言"}
 
 
 def config(lang: str) -> dict:
@@ -260,7 +263,8 @@ def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:
         cell.metadata = {k: v for k, v in cell.metadata.items() if k == "tags"}
         cells.append(cell)
     install = nbformat.v4.new_code_cell(
-        INSTALL_COMMENT[lang] + "\n" + INSTALL_CODE.format(url=install_url(lang)),
+        INSTALL_COMMENT[lang] + "\n" + INSTALL_CODE.format(
+            url=install_url(lang), lang=lang, lang_comment=LANG_COMMENT[lang]),
         metadata={"tags": ["dpbook-install"]})
     first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
     cells.insert(first_code, install)

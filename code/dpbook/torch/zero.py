@@ -124,6 +124,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     *without* DDP (it does the communication). The ranks must start from the same
     parameters. ``param_groups`` holds the full parameters, so a learning-rate scheduler
     works unchanged; ``step()`` passes their hyperparameters to the inner optimizer.
+    ``state_dict()`` is this rank's shard of the state.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], optimizer_class: type, stage: int = 1,
@@ -179,6 +180,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        """This rank's part of the optimizer state (its slices'): a sharded checkpoint, one
+        file per rank, loaded back by the same rank with :meth:`load_state_dict`."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
 
 
 class ZeroModel(nn.Module):
