@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 from jax import lax
+from torch.nn import functional as F
 
 from dpbook import exercises
 from dpbook.devices import split_sizes
@@ -16,6 +17,7 @@ from dpbook.jax import exercises as jax_exercises
 from dpbook.jax import scratch as jax_scratch
 from dpbook.torch import exercises as torch_exercises
 from dpbook.torch import scratch as torch_scratch
+from dpbook.torch import zero
 from dpbook.torch.devices import split_batch
 
 
@@ -84,6 +86,42 @@ def open_ring(x, axis_name):              # the ring never closes: device 0 rece
     return total
 
 
+def right_accumulation(model, X, y, k):
+    for Xm, ym in zip(X.chunk(k), y.chunk(k)):
+        (F.cross_entropy(model(Xm), ym) / k).backward()
+
+
+def unscaled_accumulation(model, X, y, k):   # forgets to divide by k
+    for Xm, ym in zip(X.chunk(k), y.chunk(k)):
+        F.cross_entropy(model(Xm), ym).backward()
+
+
+def zeroing_accumulation(model, X, y, k):    # zeroes the gradients in the loop
+    for Xm, ym in zip(X.chunk(k), y.chunk(k)):
+        model.zero_grad()
+        (F.cross_entropy(model(Xm), ym) / k).backward()
+
+
+def right_shard(t, rank, world_size):
+    return zero.Shard(t.numel(), rank, world_size).slice(t)
+
+
+def chunk_shard(t, rank, world_size):        # unequal pieces, and fewer than asked for
+                                             # when numel < world_size: an IndexError
+    return t.reshape(-1).chunk(world_size)[rank]
+
+
+def unpadded_shard(t, rank, world_size):     # equal pieces, but the last is cut short
+    size = -(-t.numel() // world_size)
+    return t.reshape(-1)[rank * size:(rank + 1) * size]
+
+
+def front_padded_shard(t, rank, world_size):  # the zeros in front instead of at the end
+    size = -(-t.numel() // world_size)
+    flat = torch.cat([torch.zeros(size * world_size - t.numel()), t.reshape(-1)])
+    return flat[rank * size:(rank + 1) * size]
+
+
 # ---------------------------------------------------------------- the checks
 
 CHECKS = [
@@ -94,6 +132,12 @@ CHECKS = [
       (mean_allreduce, "allreduce-mean")]),
     (torch_exercises.check_split_batch, split_batch,
      [(dropping_split, "split-batch-order"), (chunk_split, "split-batch-count")]),
+    (torch_exercises.check_accumulation, right_accumulation,
+     [(unscaled_accumulation, "accumulation-scale"),
+      (zeroing_accumulation, "accumulation-overwrite")]),
+    (torch_exercises.check_shard, right_shard,
+     [(unpadded_shard, "shard-size"), (front_padded_shard, "shard-padding"),
+      (chunk_shard, "exception")]),
     (jax_exercises.check_allreduce, jax_scratch.allreduce,
      [(jax_allreduce_on_first, "jax-allreduce-device"),
       (jax_partial_allreduce, "jax-allreduce-sum")]),

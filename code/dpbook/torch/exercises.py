@@ -1,6 +1,7 @@
 """Checked exercises for PyTorch (see :mod:`dpbook.exercises`): the reader's allreduce and
-split_batch, run on the cases careless solutions get wrong, on CPU "devices" (distinct
-tensors, as in the from-scratch chapter), so they run on any laptop."""
+split_batch (on CPU "devices": distinct tensors, as in the from-scratch chapter), gradient
+accumulation over micro-batches, and a ZeRO shard with its padding — each run on the cases
+careless solutions get wrong, in one process, so they run on any laptop in seconds."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -9,7 +10,7 @@ import torch
 
 from ..exercises import HINTS, Failure, run_check
 
-__all__ = ["check_allreduce", "check_split_batch"]
+__all__ = ["check_allreduce", "check_split_batch", "check_accumulation", "check_shard"]
 
 HINTS.update({
     "allreduce-rebind": {
@@ -39,6 +40,30 @@ HINTS.update({
     "split-batch-even": {
         "en": "two parts may differ by at most one example",
         "zh": "任意两份的样本数最多相差1"},
+    "accumulation-scale": {
+        "en": "the gradient is k times too large: each micro-batch's loss is a mean over its "
+              "own examples, so divide it by the number of micro-batches before backward",
+        "zh": "梯度大了k倍：每个微批量的损失是它自己样本上的平均值，反向传播之前要再除以微批量的个数"},
+    "accumulation-overwrite": {
+        "en": "only the last micro-batch's gradient is left: backward adds into .grad, so "
+              "zero the gradients once before the loop, not inside it",
+        "zh": "只剩下最后一个微批量的梯度：backward会累加到.grad中，所以只在循环之前清零一次，不要在循环里清零"},
+    "accumulation-grad": {
+        "en": "after the micro-batches, .grad must equal the gradient of the mean loss over "
+              "the whole batch",
+        "zh": "跑完所有微批量之后，.grad必须等于整个批量上平均损失的梯度"},
+    "accumulation-step": {
+        "en": "the parameters changed: accumulate only; the training loop calls "
+              "optimizer.step() afterwards",
+        "zh": "参数被改动了：这里只累加梯度，optimizer.step()由训练循环在之后调用"},
+    "shard-size": {
+        "en": "every rank's slice must have the same size, ⌈numel / N⌉ values: a "
+              "reduce-scatter needs equal pieces",
+        "zh": "每个进程的切片大小都必须相同，为⌈numel / N⌉个值：归约散播要求各块一样大"},
+    "shard-padding": {
+        "en": "the slices, put together in rank order, must be the flattened tensor followed "
+              "by zeros up to N ⌈numel / N⌉ values",
+        "zh": "按进程编号拼接各个切片，必须得到展平后的张量，后面补零，直到共有N ⌈numel / N⌉个值"},
     "split-batch-device": {
         "en": "part i of X and of y must be on devices[i]",
         "zh": "X和y的第i份都必须放在devices[i]上"},
@@ -109,3 +134,73 @@ def check_split_batch(fn: Callable[..., tuple[Sequence[torch.Tensor], Sequence[t
         return None
 
     return run_check("split_batch", cases, run_case, quiet)
+
+
+def _accumulation_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def check_accumulation(fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], object],
+                       quiet: bool = False) -> Failure | None:
+    """Check ``fn(model, X, y, micro_batches)``: starting from gradients set to ``None``,
+    it runs the cross-entropy loss of ``model`` on ``micro_batches`` equal parts of
+    ``(X, y)`` and leaves in ``.grad`` the gradient of the mean loss over the whole batch,
+    without changing the parameters."""
+    cases = [(f"{n} examples in {k} micro-batch(es)", (n, k))
+             for k in (1, 2, 4) for n in (4, 8, 12) if n % k == 0]
+
+    def run_case(case):
+        n, k = case
+        g = torch.Generator().manual_seed(n + k)
+        X, y = torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+        reference = _accumulation_model()
+        torch.nn.functional.cross_entropy(reference(X), y).backward()
+        model = _accumulation_model()
+        before = [p.detach().clone() for p in model.parameters()]
+        fn(model, X, y, k)
+        if any(not torch.equal(p, b) for p, b in zip(model.parameters(), before)):
+            return Failure("accumulation-step", "a parameter changed")
+        grads = [p.grad for p in model.parameters()]
+        want = [p.grad for p in reference.parameters()]
+        if any(gr is None for gr in grads):
+            return Failure("accumulation-grad", ".grad is None")
+        if all(torch.allclose(gr, w, atol=1e-6) for gr, w in zip(grads, want)):
+            return None
+        seen = f"|grad| = {float(grads[-1].norm()):.4g}, expected {float(want[-1].norm()):.4g}"
+        if all(torch.allclose(gr, k * w, atol=1e-5) for gr, w in zip(grads, want)):
+            return Failure("accumulation-scale", seen)
+        last = _accumulation_model()
+        Xk, yk = X.chunk(k)[-1], y.chunk(k)[-1]
+        (torch.nn.functional.cross_entropy(last(Xk), yk) / k).backward()
+        lasts = [p.grad for p in last.parameters()]
+        if k > 1 and (all(torch.allclose(gr, w, atol=1e-6) for gr, w in zip(grads, lasts))
+                      or all(torch.allclose(gr, k * w, atol=1e-5) for gr, w in zip(grads, lasts))):
+            return Failure("accumulation-overwrite", seen)
+        return Failure("accumulation-grad", seen)
+
+    return run_check("accumulation", cases, run_case, quiet)
+
+
+def check_shard(fn: Callable[[torch.Tensor, int, int], torch.Tensor], quiet: bool = False
+                ) -> Failure | None:
+    """Check ``fn(t, rank, world_size)``, which returns rank ``rank``'s slice of ``t``:
+    flattened, padded with zeros to a multiple of ``world_size``, cut into equal pieces."""
+    cases = [(f"a tensor of shape {shape} on {w} rank(s)", (shape, w))
+             for shape in ((1,), (4,), (7,), (2, 3), (3, 5)) for w in (1, 2, 3, 4)]
+    cases.sort(key=lambda c: (int(torch.Size(c[1][0]).numel()), c[1][1]))
+
+    def run_case(case):
+        shape, w = case
+        t = torch.arange(1, torch.Size(shape).numel() + 1, dtype=torch.float32).reshape(shape)
+        size = -(-t.numel() // w)
+        parts = [torch.as_tensor(fn(t, r, w)).reshape(-1) for r in range(w)]
+        sizes = [p.numel() for p in parts]
+        if any(n != size for n in sizes):
+            return Failure("shard-size", f"slice sizes {sizes}, expected {size} each")
+        padded = torch.cat([t.reshape(-1), torch.zeros(size * w - t.numel())])
+        if not torch.equal(torch.cat(parts), padded):
+            return Failure("shard-padding", f"slices {[p.tolist() for p in parts]}")
+        return None
+
+    return run_check("shard", cases, run_case, quiet)
