@@ -15,7 +15,9 @@ from dpbook.devices import split_sizes
 from dpbook.jax import allreduce as jax_allreduce
 from dpbook.jax import exercises as jax_exercises
 from dpbook.jax import scratch as jax_scratch
+from dpbook.torch import compression
 from dpbook.torch import exercises as torch_exercises
+from dpbook.torch.data_parallel import make_buckets
 from dpbook.torch import scratch as torch_scratch
 from dpbook.torch import zero
 from dpbook.torch.devices import split_batch
@@ -122,6 +124,43 @@ def front_padded_shard(t, rank, world_size):  # the zeros in front instead of at
     return flat[rank * size:(rank + 1) * size]
 
 
+def right_buckets(sizes, cap):               # make_buckets on parameters of these sizes
+    params = [torch.nn.Parameter(torch.zeros(n, dtype=torch.uint8), requires_grad=False)
+              for n in sizes]                # one byte per value: n bytes
+    index = {id(p): i for i, p in enumerate(params)}
+    return [[index[id(p)] for p in b] for b in make_buckets(params, cap / 2**20)]
+
+
+def forward_buckets(sizes, cap):             # the parameters' own order
+    out, current, size = [], [], 0
+    for i, n in enumerate(sizes):
+        if current and size + n > cap:
+            out.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    return out + [current] if current else out
+
+
+def one_per_parameter(sizes, cap):           # right order, but no grouping
+    return [[i] for i in reversed(range(len(sizes)))]
+
+
+def right_two_bit(grad, residual, t):
+    packed = compression.quantize_2bit(grad, residual, t)
+    return compression.dequantize_2bit(packed, grad.numel(), t), residual
+
+
+def gradient_only_two_bit(grad, residual, t):    # ignores the residual when quantizing
+    q = t * ((grad >= t).float() - (grad <= -t).float())
+    return q, grad + residual - q
+
+
+def forgetful_two_bit(grad, residual, t):        # never updates the residual
+    v = grad + residual
+    return t * ((v >= t).float() - (v <= -t).float()), residual
+
+
 # ---------------------------------------------------------------- the checks
 
 CHECKS = [
@@ -132,6 +171,10 @@ CHECKS = [
       (mean_allreduce, "allreduce-mean")]),
     (torch_exercises.check_split_batch, split_batch,
      [(dropping_split, "split-batch-order"), (chunk_split, "split-batch-count")]),
+    (torch_exercises.check_buckets, right_buckets,
+     [(forward_buckets, "buckets-order"), (one_per_parameter, "buckets-cap")]),
+    (torch_exercises.check_two_bit, right_two_bit,
+     [(gradient_only_two_bit, "two-bit-values"), (forgetful_two_bit, "two-bit-residual")]),
     (torch_exercises.check_accumulation, right_accumulation,
      [(unscaled_accumulation, "accumulation-scale"),
       (zeroing_accumulation, "accumulation-overwrite")]),

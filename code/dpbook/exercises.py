@@ -54,7 +54,8 @@ HINTS: dict[str, dict[str, str]] = {
     "split-sizes-even": {
         "en": "without weights, two sizes may differ by at most 1: give the remainder "
               "n mod k to some devices, one example each",
-        "zh": "不给权重时，任意两份的大小最多相差1：把余数n mod k分给其中几个设备，每个多分一个样本"},
+        "zh": "不给权重时，任意两份的大小最多相差1："
+              "把余数n mod k分给其中几个设备，每个多分一个样本"},
     "split-sizes-weights": {
         "en": "with weights, every device gets one example and the other n - k are shared in "
               "proportion: each size within 1 of 1 + (n - k) × weight / sum(weights)",

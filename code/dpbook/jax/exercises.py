@@ -34,11 +34,13 @@ HINTS.update({
     "ring-shape": {
         "en": "return an array of the input's shape and dtype: pad to a multiple of N to cut "
               "it into chunks, and drop the padding at the end",
-        "zh": "返回的数组必须与输入的形状和数据类型相同：切块前先填充到N的倍数，最后再去掉填充"},
+        "zh": "返回的数组必须与输入的形状和数据类型相同："
+              "切块前先填充到N的倍数，最后再去掉填充"},
     "ring-permute": {
         "en": "lax.ppermute's perm must send every device's chunk to exactly one neighbour: "
               "pairs (j, (j + 1) % N) for all j",
-        "zh": "lax.ppermute的perm必须把每个设备的块恰好发给一个邻居：对所有j取(j, (j + 1) % N)"},
+        "zh": "lax.ppermute的perm必须把每个设备的块恰好发给一个邻居："
+              "对所有j取(j, (j + 1) % N)"},
 })
 
 

@@ -1,7 +1,8 @@
 """Checked exercises for PyTorch (see :mod:`dpbook.exercises`): the reader's allreduce and
-split_batch (on CPU "devices": distinct tensors, as in the from-scratch chapter), gradient
-accumulation over micro-batches, and a ZeRO shard with its padding — each run on the cases
-careless solutions get wrong, in one process, so they run on any laptop in seconds."""
+split_batch (on CPU "devices": distinct tensors, as in the from-scratch chapter), DDP's
+bucket assignment, 2-bit quantization with error feedback, gradient accumulation over
+micro-batches, and a ZeRO shard with its padding — each run on the cases careless
+solutions get wrong, in one process, so they run on any laptop in seconds."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -10,19 +11,22 @@ import torch
 
 from ..exercises import HINTS, Failure, run_check
 
-__all__ = ["check_allreduce", "check_split_batch", "check_accumulation", "check_shard"]
+__all__ = ["check_allreduce", "check_split_batch", "check_accumulation", "check_shard",
+           "check_buckets", "check_two_bit"]
 
 HINTS.update({
     "allreduce-rebind": {
         "en": "data[i] now refers to another tensor than the one the device held: the caller "
               "still sees the old values. Write the result into each device's tensor in place "
               "(t[:] = … or t.copy_(…)) instead of assigning a new tensor to data[i]",
-        "zh": "data[i]现在指向的已不是设备上原来那个张量，调用者看到的仍是旧值。请把结果就地写进每个设备的张量"
+        "zh": "data[i]现在指向的已不是设备上原来那个张量，"
+              "调用者看到的仍是旧值。请把结果就地写进每个设备的张量"
               "（t[:] = …或t.copy_(…)），而不是给data[i]赋一个新张量"},
     "allreduce-sum": {
         "en": "every device must end with the sum of the tensors of *all* devices; check the "
               "loop bounds, and that each device gets the total, not a partial sum",
-        "zh": "每个设备最后都必须得到*所有*设备上张量之和；检查循环的范围，并确认每个设备拿到的是总和而不是部分和"},
+        "zh": "每个设备最后都必须得到*所有*设备上张量之和；"
+              "检查循环的范围，并确认每个设备拿到的是总和而不是部分和"},
     "allreduce-mean": {
         "en": "that is the mean: the allreduce of this chapter sums (the caller divides by the "
               "batch size afterwards)",
@@ -36,18 +40,21 @@ HINTS.update({
     "split-batch-order": {
         "en": "the parts, put back together in device order, must give X and y unchanged: no "
               "example dropped (the remainder!), repeated or moved, and y split like X",
-        "zh": "按设备顺序拼接各份，必须原样得到X和y：不能丢掉样本（注意余数！），不能重复或打乱，y的切分要与X一致"},
+        "zh": "按设备顺序拼接各份，必须原样得到X和y：不能丢掉样本（"
+              "注意余数！），不能重复或打乱，y的切分要与X一致"},
     "split-batch-even": {
         "en": "two parts may differ by at most one example",
         "zh": "任意两份的样本数最多相差1"},
     "accumulation-scale": {
         "en": "the gradient is k times too large: each micro-batch's loss is a mean over its "
               "own examples, so divide it by the number of micro-batches before backward",
-        "zh": "梯度大了k倍：每个微批量的损失是它自己样本上的平均值，反向传播之前要再除以微批量的个数"},
+        "zh": "梯度大了k倍：每个微批量的损失是它自己样本上的平均值，"
+              "反向传播之前要再除以微批量的个数"},
     "accumulation-overwrite": {
         "en": "only the last micro-batch's gradient is left: backward adds into .grad, so "
               "zero the gradients once before the loop, not inside it",
-        "zh": "只剩下最后一个微批量的梯度：backward会累加到.grad中，所以只在循环之前清零一次，不要在循环里清零"},
+        "zh": "只剩下最后一个微批量的梯度：backward会累加到.grad中，"
+              "所以只在循环之前清零一次，不要在循环里清零"},
     "accumulation-grad": {
         "en": "after the micro-batches, .grad must equal the gradient of the mean loss over "
               "the whole batch",
@@ -63,7 +70,28 @@ HINTS.update({
     "shard-padding": {
         "en": "the slices, put together in rank order, must be the flattened tensor followed "
               "by zeros up to N ⌈numel / N⌉ values",
-        "zh": "按进程编号拼接各个切片，必须得到展平后的张量，后面补零，直到共有N ⌈numel / N⌉个值"},
+        "zh": "按进程编号拼接各个切片，必须得到展平后的张量，"
+              "后面补零，直到共有N ⌈numel / N⌉个值"},
+    "buckets-order": {
+        "en": "backward produces the gradients from the last parameter to the first: fill the "
+              "buckets in reverse order, every parameter exactly once",
+        "zh": "反向传播从最后一个参数到第一个参数依次算出梯度："
+              "按相反的顺序装桶，每个参数恰好装一次"},
+    "buckets-cap": {
+        "en": "a bucket closes when the next parameter would take it over the cap; a "
+              "parameter larger than the cap gets a bucket of its own",
+        "zh": "下一个参数会让桶超过上限时，这个桶就结束；"
+              "比上限还大的参数单独占一个桶"},
+    "two-bit-values": {
+        "en": "every quantized entry must be +t, 0 or -t: compare grad + residual (not the "
+              "gradient alone) with the threshold",
+        "zh": "量化后的每个元素只能是+t、0或-t："
+              "拿来与阈值比较的是grad + residual，而不只是梯度"},
+    "two-bit-residual": {
+        "en": "the new residual keeps what was not sent: (grad + residual) minus the "
+              "quantized value, so nothing is lost over the steps",
+        "zh": "新的残差保存没有发送出去的部分："
+              "(grad + residual)减去量化后的值，这样多步累计下来什么也不会丢"},
     "split-batch-device": {
         "en": "part i of X and of y must be on devices[i]",
         "zh": "X和y的第i份都必须放在devices[i]上"},
@@ -204,3 +232,68 @@ def check_shard(fn: Callable[[torch.Tensor, int, int], torch.Tensor], quiet: boo
         return None
 
     return run_check("shard", cases, run_case, quiet)
+
+
+def check_buckets(fn: Callable[[Sequence[int], int], list[list[int]]], quiet: bool = False
+                  ) -> Failure | None:
+    """Check ``fn(sizes, cap) -> buckets``: ``sizes[i]`` is the bytes of parameter ``i`` in
+    the order of ``model.parameters()``; each bucket lists parameter indices, filled in
+    reverse order (the order backward produces the gradients) up to ``cap`` bytes, like
+    :func:`dpbook.torch.data_parallel.make_buckets`."""
+    cases = [(f"sizes {sizes}, cap {cap}", (sizes, cap)) for sizes, cap in (
+        ([4], 10), ([4, 4], 10), ([4, 4, 4], 10), ([8, 4], 10), ([20], 10), ([4, 20, 4], 10),
+        ([1, 2, 3, 4, 5], 6), ([3, 3, 3, 3], 6), ([6, 1, 6], 6), ([5, 5, 5, 5, 5], 100))]
+
+    def expected(sizes, cap):
+        buckets, current, size = [], [], 0
+        for i in reversed(range(len(sizes))):
+            if current and size + sizes[i] > cap:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += sizes[i]
+        return buckets + [current] if current else buckets
+
+    def run_case(case):
+        sizes, cap = case
+        got = [list(b) for b in fn(list(sizes), cap)]
+        flat = [i for b in got for i in b]
+        if flat != list(reversed(range(len(sizes)))):
+            return Failure("buckets-order", f"buckets {got}")
+        if got != expected(sizes, cap):
+            return Failure("buckets-cap", f"buckets {got}")
+        return None
+
+    return run_check("buckets", cases, run_case, quiet)
+
+
+def check_two_bit(fn: Callable[[torch.Tensor, torch.Tensor, float],
+                               tuple[torch.Tensor, torch.Tensor]], quiet: bool = False
+                  ) -> Failure | None:
+    """Check ``fn(grad, residual, t) -> (quantized, new_residual)``: ``v = grad +
+    residual`` becomes ``+t`` where ``v >= t``, ``-t`` where ``v <= -t``, else 0, and the
+    new residual is ``v`` minus that. Several steps in a row, so a residual that is lost or
+    not added back shows."""
+    cases = [(f"{n} entries, threshold {t}, {steps} step(s)", (n, t, steps))
+             for n, t, steps in ((1, 0.5, 1), (4, 0.5, 1), (4, 0.5, 3), (10, 0.25, 5),
+                                 (100, 1.0, 10))]
+
+    def run_case(case):
+        n, t, steps = case
+        g = torch.Generator().manual_seed(n)
+        residual, want_residual = torch.zeros(n), torch.zeros(n)
+        for step in range(steps):
+            grad = torch.randn(n, generator=g) * 0.6
+            q, residual = fn(grad.clone(), residual.clone(), t)
+            v = grad + want_residual
+            want = t * ((v >= t).float() - (v <= -t).float())
+            want_residual = v - want
+            if not torch.allclose(q, want):
+                return Failure("two-bit-values", f"step {step + 1}: {q[:4].tolist()}, "
+                               f"expected {want[:4].tolist()}")
+            if not torch.allclose(residual, want_residual, atol=1e-6):
+                return Failure("two-bit-residual", f"step {step + 1}: residual "
+                               f"{residual[:4].tolist()}, expected {want_residual[:4].tolist()}")
+        return None
+
+    return run_check("two_bit", cases, run_case, quiet)

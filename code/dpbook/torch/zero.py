@@ -283,7 +283,8 @@ class ZeroModel(nn.Module):
         out = {}
         for name, p in self.module.named_parameters():
             if p in self._shard:
-                out[name] = all_gather(self._slice[p].detach(), self._shard[p]).view(self._shape[p])
+                full = all_gather(self._slice[p].detach(), self._shard[p])
+                out[name] = full.view(self._shape[p])
         return out
 
 
