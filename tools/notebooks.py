@@ -52,7 +52,9 @@ import importlib.util, os, subprocess, sys
 if importlib.util.find_spec("dpbook") is None:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
                     "dpbook @ {url}"], check=True)
-os.environ.setdefault("DPBOOK_LANG", "{lang}")   # {lang_comment}"""
+if "DPBOOK_LANG" not in os.environ:          # {lang_comment}
+    os.environ["DPBOOK_LANG"] = "{lang}"
+"""
 LANG_COMMENT = {"en": "the language of the exercises' hints",
                 "zh": "练习检查的提示使用的语言"}
 
@@ -264,7 +266,7 @@ def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:
         cells.append(cell)
     install = nbformat.v4.new_code_cell(
         INSTALL_COMMENT[lang] + "\n" + INSTALL_CODE.format(
-            url=install_url(lang), lang=lang, lang_comment=LANG_COMMENT[lang]),
+            url=install_url(lang), lang=lang, lang_comment=LANG_COMMENT[lang]).rstrip("\n"),
         metadata={"tags": ["dpbook-install"]})
     first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
     cells.insert(first_code, install)
