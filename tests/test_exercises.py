@@ -1,20 +1,30 @@
 """The checked exercises (dpbook.exercises and its torch and jax parts): every check passes
 the package's own solution and fails known-wrong ones with the expected hint, in English
-and in Chinese."""
+and in Chinese; the multi-process check leaves no process behind."""
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from jax import lax
 from torch.nn import functional as F
+
+from helpers import no_children_left
 
 from dpbook import exercises
 from dpbook.devices import split_sizes
 from dpbook.jax import allreduce as jax_allreduce
 from dpbook.jax import exercises as jax_exercises
 from dpbook.jax import scratch as jax_scratch
+from dpbook.jax import step as jax_step
+from dpbook.jax.unequal import pad_batch
+from dpbook.tools import atomic_write
+from dpbook.torch import allreduce as torch_allreduce
 from dpbook.torch import compression
 from dpbook.torch import exercises as torch_exercises
 from dpbook.torch.data_parallel import make_buckets
@@ -161,6 +171,134 @@ def forgetful_two_bit(grad, residual, t):        # never updates the residual
     return t * ((v >= t).float() - (v <= -t).float()), residual
 
 
+def right_replicate(params, devices):
+    return [torch_scratch.get_params(params, d) for d in devices]
+
+
+def to_replicate(params, devices):           # Tensor.to copies nothing on the CPU
+    return [[p.to(d) for p in params] for d in devices]
+
+
+def clone_replicate(params, devices):        # copies, but part of the graph: not leaves
+    return [[p.clone().to(d) for p in params] for d in devices]
+
+
+def right_dp_step(replicas, Xs, ys, lr):     # each part's loss weighted by its share
+    n = sum(len(X) for X in Xs)
+    for model, X, y in zip(replicas, Xs, ys):
+        (F.cross_entropy(model(X), y) * len(X) / n).backward()
+    with torch.no_grad():
+        for ps in zip(*(m.parameters() for m in replicas)):
+            grad = sum(p.grad for p in ps)
+            for p in ps:
+                p -= lr * grad
+
+
+def _averaged_step(replicas, Xs, ys, lr, loss_scale, grad_scale):
+    for model, X, y in zip(replicas, Xs, ys):
+        (F.cross_entropy(model(X), y) * loss_scale).backward()
+    with torch.no_grad():
+        for ps in zip(*(m.parameters() for m in replicas)):
+            grad = sum(p.grad for p in ps) * grad_scale
+            for p in ps:
+                p -= lr * grad
+
+
+def summing_dp_step(replicas, Xs, ys, lr):       # adds the replicas' gradients
+    _averaged_step(replicas, Xs, ys, lr, 1, 1)
+
+
+def twice_averaging_dp_step(replicas, Xs, ys, lr):   # averages twice
+    _averaged_step(replicas, Xs, ys, lr, 1 / len(replicas), 1 / len(replicas))
+
+
+def mean_of_means_dp_step(replicas, Xs, ys, lr):     # right for equal parts only
+    _averaged_step(replicas, Xs, ys, lr, 1, 1 / len(replicas))
+
+
+def local_dp_step(replicas, Xs, ys, lr):         # no communication: replicas drift apart
+    _averaged_step(replicas[:1], Xs[:1], ys[:1], lr, 1, 1)
+
+
+def right_save(state, path):
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+
+def direct_save(state, path):                # a crash leaves half a file at path
+    torch.save(state, path)
+
+
+def leaky_save(state, path):                 # atomic, but a crash leaves the temporary
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def tail_padding(X, y, sizes):               # pads the end of the batch, not each block
+    k, m = len(sizes), max(sizes)
+    X_pad, y_pad = np.zeros((k * m, *X.shape[1:]), X.dtype), np.zeros(k * m, y.dtype)
+    mask = np.zeros(k * m, np.float32)
+    X_pad[:len(X)], y_pad[:len(y)], mask[:len(X)] = X, y, 1
+    return X_pad, y_pad, mask
+
+
+def boolean_mask(X, y, sizes):
+    X_pad, y_pad, mask = pad_batch(X, y, sizes)
+    return X_pad, y_pad, mask > 0
+
+
+def nan_padding(X, y, sizes):                # NaN rows: 0 × NaN is NaN
+    X_pad, y_pad, mask = pad_batch(X, y, sizes)
+    X_pad[mask == 0] = np.nan
+    return X_pad, y_pad, mask
+
+
+def right_grads(loss_fn, params, X, y, axis):
+    params = lax.pcast(params, axis, to="varying")
+    return lax.pmean(jax.grad(loss_fn)(params, X, y), axis)
+
+
+def no_pcast_grads(loss_fn, params, X, y, axis):   # already summed, then pmean: N×
+    return lax.pmean(jax.grad(loss_fn)(params, X, y), axis)
+
+
+def psum_grads(loss_fn, params, X, y, axis):       # sums the per-device means: N×
+    params = lax.pcast(params, axis, to="varying")
+    return lax.psum(jax.grad(loss_fn)(params, X, y), axis)
+
+
+def local_grads(loss_fn, params, X, y, axis):      # never leaves the device
+    return jax.grad(loss_fn)(lax.pcast(params, axis, to="varying"), X, y)
+
+
+def _scan(params, apply_fn, X, y, k, scale, add):
+    Xs, ys = X.reshape(k, -1, *X.shape[1:]), y.reshape(k, -1)
+    grad_fn = jax.value_and_grad(jax_step.mixed_loss)
+
+    def body(total, batch):
+        loss, grads = grad_fn(params, apply_fn, *batch)
+        return (jax.tree.map(jnp.add, total, grads) if add else grads), loss
+
+    total, losses = lax.scan(body, jax.tree.map(jnp.zeros_like, params), (Xs, ys))
+    return losses.mean(), jax.tree.map(lambda g: g * scale, total)
+
+
+def unscaled_scan(params, apply_fn, X, y, k):      # forgets to divide by k
+    return _scan(params, apply_fn, X, y, k, 1, True)
+
+
+def replacing_scan(params, apply_fn, X, y, k):     # the carry keeps the last gradient
+    return _scan(params, apply_fn, X, y, k, 1 / k, False)
+
+
+def python_loop(params, apply_fn, X, y, k):        # right numbers, k copies when traced
+    losses, total = [], jax.tree.map(jnp.zeros_like, params)
+    for Xi, yi in zip(jnp.split(X, k), jnp.split(y, k)):
+        loss, grads = jax.value_and_grad(jax_step.mixed_loss)(params, apply_fn, Xi, yi)
+        losses.append(loss)
+        total = jax.tree.map(jnp.add, total, grads)
+    return sum(losses) / k, jax.tree.map(lambda g: g / k, total)
+
+
 # ---------------------------------------------------------------- the checks
 
 CHECKS = [
@@ -186,6 +324,21 @@ CHECKS = [
       (jax_partial_allreduce, "jax-allreduce-sum")]),
     (jax_exercises.check_ring_allreduce, jax_allreduce.ring_allreduce,
      [(neighbour_ring, "ring-sum"), (open_ring, "ring-sum")]),
+    (torch_exercises.check_replicate, right_replicate,
+     [(to_replicate, "replicate-shared"), (clone_replicate, "replicate-leaf")]),
+    (torch_exercises.check_dp_step, right_dp_step,
+     [(summing_dp_step, "dp-step-scale"), (twice_averaging_dp_step, "dp-step-small"),
+      (mean_of_means_dp_step, "dp-step-unequal"), (local_dp_step, "dp-step-diverged")]),
+    (torch_exercises.check_atomic_save, right_save,
+     [(direct_save, "atomic-save-torn"), (leaky_save, "atomic-save-leftover")]),
+    (exercises.check_pad_batch, pad_batch,
+     [(tail_padding, "pad-rows"), (boolean_mask, "pad-mask"), (nan_padding, "pad-zeros")]),
+    (jax_exercises.check_shard_map_grads, right_grads,
+     [(no_pcast_grads, "grads-times-n"), (psum_grads, "grads-times-n"),
+      (local_grads, "grads-varying")]),
+    (jax_exercises.check_scan_accumulation, jax_step.accumulated_grads,
+     [(unscaled_scan, "scan-scale"), (replacing_scan, "scan-last"),
+      (python_loop, "scan-unrolled")]),
 ]
 IDS = [check.__module__.split(".")[-2] + "." + check.__name__ for check, _, _ in CHECKS]
 
@@ -232,3 +385,72 @@ def test_an_exception_is_reported_not_raised(capsys):
     failure = torch_exercises.check_allreduce(broken)
     assert failure.hint == "exception" and "boom" in failure.seen
     assert "RuntimeError" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- processes
+
+
+def two_process_ring(x):             # one reduce step and one gather step: right for N = 2
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if n == 1:
+        return x
+    chunks = torch.tensor_split(x, n)
+    for send, mine, add in ((chunks[rank], chunks[(rank - 1) % n], True),
+                            (chunks[(rank - 1) % n], chunks[rank], False)):
+        received = torch.empty_like(mine)
+        requests = [dist.isend(send, (rank + 1) % n)] if send.numel() else []
+        if received.numel():
+            requests.append(dist.irecv(received, (rank - 1) % n))
+        for request in requests:
+            request.wait()
+        if add:
+            mine += received
+        else:
+            mine.copy_(received)
+    return x
+
+
+def blocking_ring(x):                # both neighbours send first, with blocking sends
+    rank, n = dist.get_rank(), dist.get_world_size()
+    buffer = torch.empty_like(x)
+    for _ in range(n - 1):
+        dist.send(x, (rank + 1) % n)
+        dist.recv(buffer, (rank - 1) % n)
+    return x
+
+
+PROCESS_CASES = [
+    (torch_allreduce.ring_allreduce, False, None),
+    (torch_allreduce.bidirectional_ring_allreduce, True, None),
+    (torch_allreduce.ring_allreduce, True, "ring-process-both-ways"),
+    (two_process_ring, False, "ring-process-sum"),
+    (torch_allreduce.tree_allreduce, False, "ring-process-bytes"),
+]
+
+
+def test_ring_over_processes_tells_right_from_wrong():
+    """2, 3 and 4 gloo processes: the package's ring and bidirectional ring pass; the plain
+    ring fails the bidirectional check, and three wrong rings fail with their hints."""
+    for fn, bidirectional, hint in PROCESS_CASES:
+        failure = torch_exercises.check_ring_allreduce(fn, bidirectional=bidirectional,
+                                                       quiet=True)
+        assert (failure and failure.hint) == hint, (fn.__name__, failure)
+    assert no_children_left()
+
+
+def test_ring_over_processes_reports_a_deadlock_and_cleans_up(capsys, monkeypatch):
+    monkeypatch.setenv("DPBOOK_LANG", "zh")
+    failure = torch_exercises.check_ring_allreduce(blocking_ring, timeout=1)
+    assert failure.hint == "ring-process-timeout" and "2 processes" in capsys.readouterr().out
+    assert no_children_left()
+
+
+def test_ring_over_processes_takes_a_function_defined_in_the_notebook():
+    """The reader's function lives in ``__main__`` (a notebook): it reaches the spawned
+    processes by value. This one leaves the sum in a new tensor, not in x."""
+    namespace = {"__name__": "__main__"}
+    exec("from dpbook.torch import allreduce\n"
+         "def copying_ring(x):\n"
+         "    return allreduce.ring_allreduce(x.clone())\n", namespace)
+    failure = torch_exercises.check_ring_allreduce(namespace["copying_ring"], quiet=True)
+    assert failure.hint == "ring-process-inplace"

@@ -19,7 +19,7 @@ import os
 from typing import Any, Callable, Iterable
 
 __all__ = ["LANGUAGES", "language", "Failure", "HINTS", "MESSAGES", "run_check",
-           "check_split_sizes", "split_sizes_reference"]
+           "check_split_sizes", "split_sizes_reference", "check_pad_batch"]
 
 LANGUAGES = ("en", "zh")
 
@@ -64,6 +64,25 @@ HINTS: dict[str, dict[str, str]] = {
     "split-sizes-count": {
         "en": "return one size per device: a list of k sizes",
         "zh": "每个设备对应一个大小：返回由k个大小组成的列表"},
+    "pad-shape": {
+        "en": "every device runs the same program, so every block has m = max(sizes) rows: "
+              "X and y must have N × m rows and the mask N × m entries",
+        "zh": "每个设备运行同一个程序，所以每一块都有m = max(sizes)行："
+              "X和y必须有N × m行，掩码有N × m个元素"},
+    "pad-rows": {
+        "en": "block i (rows i × m to (i + 1) × m - 1) must start with device i's "
+              "sizes[i] examples, in order, then padding: pad each block, not the batch's end",
+        "zh": "第i块（第i × m行到第(i + 1) × m - 1行）开头必须按顺序放设备i的sizes[i]个样本，"
+              "后面才是填充：要填充每一块，而不是整个批量的末尾"},
+    "pad-mask": {
+        "en": "the mask must be 1.0 for a real example and 0.0 for a padding row (float32: "
+              "the loss multiplies by it and divides by its sum)",
+        "zh": "掩码对真实样本为1.0，对填充行为0.0（float32：损失要乘以它，再除以它的和）"},
+    "pad-zeros": {
+        "en": "the padding rows must be zeros, a valid input: the masked loss multiplies them "
+              "by 0, and 0 × NaN or 0 × inf would still spoil the sum",
+        "zh": "填充行必须是零，也就是合法的输入：带掩码的损失会把它们乘以0，"
+              "而0 × NaN或0 × inf仍会破坏求和"},
 }
 
 #: The lines around a hint, per language.
@@ -144,3 +163,41 @@ def check_split_sizes(fn: Callable[..., list[int]], quiet: bool = False) -> Fail
         return None
 
     return run_check("split_sizes", cases, run_case, quiet)
+
+
+def check_pad_batch(fn: Callable, quiet: bool = False) -> Failure | None:
+    """Check ``fn(X, y, sizes) -> (X_pad, y_pad, mask)`` (numpy arrays), the layout of
+    :func:`dpbook.jax.unequal.pad_batch`: N blocks of ``m = max(sizes)`` rows, block i
+    holding device i's ``sizes[i]`` examples in order and then zeros, and a float32 mask
+    that is 1 on the real rows. Even splits first, then uneven ones."""
+    import numpy as np
+    cases = [(f"sizes {sizes}", sizes) for sizes in (
+        [1], [2, 2], [3, 3, 3], [2, 1], [3, 1, 2], [1, 4, 2, 1], [5, 1, 1, 1])]
+
+    def run_case(sizes):
+        n, k, m = sum(sizes), len(sizes), max(sizes)
+        X = np.arange(1, 2 * n + 1, dtype=np.float32).reshape(n, 2)
+        y = np.arange(1, n + 1, dtype=np.int32)
+        X_pad, y_pad, mask = (np.asarray(a) for a in fn(X.copy(), y.copy(), list(sizes)))
+        if X_pad.shape != (k * m, 2) or y_pad.shape != (k * m,) or mask.shape != (k * m,):
+            return Failure("pad-shape", f"shapes {X_pad.shape}, {y_pad.shape}, {mask.shape} "
+                           f"for {k} blocks of {m} rows")
+        start = 0
+        for i, size in enumerate(sizes):
+            block = slice(i * m, i * m + size)
+            if not (np.array_equal(X_pad[block], X[start:start + size])
+                    and np.array_equal(y_pad[block], y[start:start + size])):
+                return Failure("pad-rows", f"block {i} starts with y = "
+                               f"{y_pad[i * m:(i + 1) * m].tolist()}, expected "
+                               f"{y[start:start + size].tolist()} then padding")
+            start += size
+        real = np.zeros(k * m, bool)
+        for i, size in enumerate(sizes):
+            real[i * m:i * m + size] = True
+        if mask.dtype != np.float32 or not np.array_equal(mask, real.astype(np.float32)):
+            return Failure("pad-mask", f"mask {mask.tolist()} ({mask.dtype})")
+        if np.any(X_pad[~real] != 0) or np.any(y_pad[~real] != 0):
+            return Failure("pad-zeros", f"padding rows of X: {X_pad[~real].tolist()}")
+        return None
+
+    return run_check("pad_batch", cases, run_case, quiet)

@@ -1,6 +1,9 @@
 """Checked exercises for JAX (see :mod:`dpbook.exercises`): the reader's allreduce over a
-list of arrays on devices, and a ring allreduce written with ``lax.ppermute``, run on 1 to
-8 (emulated) devices with sizes that do not divide."""
+list of arrays on devices, a ring allreduce written with ``lax.ppermute`` (1 to 8
+emulated devices, sizes that do not divide), the gradient of replicated parameters inside
+``shard_map`` (the ``lax.pcast`` trap) and gradient accumulation with ``lax.scan``; and,
+for the JAX notebooks' convenience, the framework-free :func:`dpbook.exercises.check_pad_batch`
+(padding and mask of unequal shards)."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -10,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..exercises import HINTS, Failure, run_check
+from ..exercises import HINTS, Failure, check_pad_batch, run_check
 from .state import AXIS, make_mesh
 
-__all__ = ["check_allreduce", "check_ring_allreduce"]
+__all__ = ["check_allreduce", "check_ring_allreduce", "check_shard_map_grads",
+           "check_scan_accumulation", "check_pad_batch"]
 
 HINTS.update({
     "jax-allreduce-count": {
@@ -41,6 +45,42 @@ HINTS.update({
               "pairs (j, (j + 1) % N) for all j",
         "zh": "lax.ppermute的perm必须把每个设备的块恰好发给一个邻居："
               "对所有j取(j, (j + 1) % N)"},
+    "grads-times-n": {
+        "en": "the gradient is N times the one-device gradient. Under shard_map (check_vma "
+              "on, the default), the gradient with respect to parameters that are the same "
+              "on every device comes back already summed over the devices; look at "
+              "lax.pcast and at what your collective does to a sum",
+        "zh": "梯度是单设备梯度的N倍。在shard_map中（默认开启check_vma），"
+              "对各设备上都相同的参数求梯度，得到的已经是各设备之和；"
+              "看看lax.pcast，再想想你的集合通信对一个和做了什么"},
+    "grads-varying": {
+        "en": "the gradients still differ from device to device, so they cannot come back "
+              "as one replicated value (out_specs P()): average them over the axis",
+        "zh": "梯度在各设备上仍然各不相同，无法作为同一个复制的值返回"
+              "（out_specs P()）：要在这个轴上对它们求平均"},
+    "grads-value": {
+        "en": "the result must equal jax.grad of the mean loss over the whole batch, "
+              "computed on one device",
+        "zh": "结果必须等于在一个设备上对整个批量的平均损失求jax.grad"},
+    "scan-scale": {
+        "en": "the gradient is k times too large: each micro-batch's loss is a mean over its "
+              "examples, so the sum of k micro-batch gradients must be divided by k",
+        "zh": "梯度大了k倍：每个微批量的损失是它自己样本上的平均值，"
+              "所以k个微批量梯度之和还要除以k"},
+    "scan-last": {
+        "en": "only one micro-batch's gradient is left: the carry of lax.scan must add each "
+              "micro-batch's gradient to the running total, not replace it",
+        "zh": "只剩下一个微批量的梯度：lax.scan的carry要把每个微批量的梯度加到累计值上，"
+              "而不是替换它"},
+    "scan-loss": {
+        "en": "the loss must be the mean loss over the whole batch (with equal "
+              "micro-batches: the mean of their mean losses)",
+        "zh": "损失必须是整个批量上的平均损失（微批量大小相同时，就是各微批量平均损失的平均值）"},
+    "scan-unrolled": {
+        "en": "the program holds k copies of the micro-step (a Python loop is unrolled when "
+              "traced): loop with lax.scan, so the compiled program has one copy, whatever k",
+        "zh": "程序里有k份微批量计算的副本（追踪时Python循环会被展开）："
+              "用lax.scan循环，编译出的程序就只有一份，与k无关"},
 })
 
 
@@ -111,3 +151,111 @@ def check_ring_allreduce(fn: Callable[[jax.Array, str], jax.Array], quiet: bool 
         return None
 
     return run_check("ring_allreduce", cases, run_case, quiet)
+
+
+def _linear_loss(params, X, y):
+    """Mean softmax cross-entropy of a linear model: the loss both checks hand the reader."""
+    logits = X @ params["w"] + params["b"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+def _linear_problem(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    params = {"w": jnp.asarray(rng.normal(size=(5, 3)), jnp.float32),
+              "b": jnp.asarray(rng.normal(size=3), jnp.float32)}
+    X = jnp.asarray(rng.normal(size=(n, 5)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 3, n), jnp.int32)
+    return params, X, y
+
+
+def _close(got, want) -> bool:
+    return all(np.allclose(a, b, atol=1e-5)
+               for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def _ratio(got, want) -> float:
+    """How many times ``want`` the tree ``got`` is (least squares)."""
+    g = jnp.concatenate([a.ravel() for a in jax.tree.leaves(got)])
+    w = jnp.concatenate([a.ravel() for a in jax.tree.leaves(want)])
+    return float(g @ w / (w @ w))
+
+
+def check_shard_map_grads(fn: Callable, quiet: bool = False) -> Failure | None:
+    """Check ``fn(loss_fn, params, X, y, axis_name) -> grads``, called inside
+    ``jax.shard_map`` with the parameters replicated (``P()``) and ``X``, ``y`` split along
+    ``axis_name``; the grads come back replicated (``out_specs=P()``) and must equal the
+    gradient of the mean loss over the whole batch on one device. ``loss_fn(params, X, y)``
+    is the mean cross-entropy of a linear model. 1 to 8 devices (as many as there are)."""
+    devices = jax.devices()
+    cases = [(f"{k} device(s), {2 * k} examples", k) for k in (1, 2, 3, 4, 8)
+             if k <= len(devices)]
+
+    def run_case(k):
+        mesh = make_mesh(devices[:k])
+        params, X, y = _linear_problem(2 * k, seed=k)
+        want = jax.grad(_linear_loss)(params, X, y)
+        body = jax.shard_map(lambda p, X, y: fn(_linear_loss, p, X, y, AXIS), mesh=mesh,
+                             in_specs=(P(), P(AXIS), P(AXIS)), out_specs=P())
+        split = jax.sharding.NamedSharding(mesh, P(AXIS))
+        try:
+            got = jax.jit(body)(params, jax.device_put(X, split), jax.device_put(y, split))
+        except Exception as e:  # noqa: BLE001 - shard_map's check of out_specs
+            if "vma" in str(e) or "varying" in str(e).lower():
+                return Failure("grads-varying", f"{type(e).__name__}: {str(e)[:160]}")
+            raise
+        if jax.tree.structure(got) != jax.tree.structure(want):
+            return Failure("grads-value", f"a tree {jax.tree.structure(got)}")
+        if _close(got, want):
+            return None
+        ratio = _ratio(got, want)
+        seen = f"the gradient is {ratio:.3g} × the one-device gradient"
+        if k > 1 and abs(ratio - k) < 0.02 * k:
+            return Failure("grads-times-n", seen)
+        return Failure("grads-value", seen)
+
+    return run_check("shard_map_grads", cases, run_case, quiet)
+
+
+def _linear_apply(variables, X):
+    """A Flax-style ``apply_fn`` for the linear model of :func:`_linear_loss`."""
+    return X @ variables["params"]["w"] + variables["params"]["b"]
+
+
+def check_scan_accumulation(fn: Callable, quiet: bool = False) -> Failure | None:
+    """Check ``fn(params, apply_fn, X, y, micro_batches) -> (loss, grads)``, the contract
+    of :func:`dpbook.jax.step.accumulated_grads`: the mean cross-entropy of
+    ``apply_fn({'params': params}, X)`` over the whole batch and its gradient, computed
+    ``micro_batches`` equal parts at a time with ``lax.scan`` (the traced program must
+    hold one copy of the micro-step, not k)."""
+    cases = [(f"{n} examples in {k} micro-batch(es)", (n, k))
+             for k in (1, 2, 4, 8) for n in (8, 24) if n % k == 0]
+
+    def run_case(case):
+        n, k = case
+        params, X, y = _linear_problem(n, seed=n + k)
+        want_loss, want = jax.value_and_grad(_linear_loss)(params, X, y)
+        loss, got = fn(params, _linear_apply, X, y, k)
+        if jax.tree.structure(got) != jax.tree.structure(want):
+            return Failure("grads-value", f"a tree {jax.tree.structure(got)}")
+        if not _close(got, want):
+            ratio = _ratio(got, want)
+            seen = f"the gradient is {ratio:.3g} × the whole-batch gradient"
+            if k > 1 and abs(ratio - k) < 0.02 * k:
+                return Failure("scan-scale", seen)
+            parts = [jax.grad(_linear_loss)(params, Xi, yi)
+                     for Xi, yi in zip(jnp.split(X, k), jnp.split(y, k))]
+            if k > 1 and any(_close(got, jax.tree.map(lambda g: g * scale, part))
+                             for part in parts for scale in (1, 1 / k)):
+                return Failure("scan-last", seen)
+            return Failure("grads-value", seen)
+        if not np.allclose(loss, want_loss, atol=1e-5):
+            return Failure("scan-loss", f"loss {float(loss):.4g}, expected {float(want_loss):.4g}")
+        if k > 1:
+            jaxpr = str(jax.make_jaxpr(lambda p, X, y: fn(p, _linear_apply, X, y, k))(
+                params, X, y))
+            if "scan[" not in jaxpr and "while[" not in jaxpr:
+                return Failure("scan-unrolled", "no lax.scan (nor any other loop) in the "
+                               "traced program")
+        return None
+
+    return run_check("scan_accumulation", cases, run_case, quiet)

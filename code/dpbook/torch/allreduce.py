@@ -37,7 +37,8 @@ import torch.distributed as dist
 from .dist import process_group, run, slowest_seconds
 from .devices import hardware_line
 
-__all__ = ["naive_allreduce", "ring_allreduce", "tree_allreduce", "gloo_allreduce",
+__all__ = ["naive_allreduce", "ring_allreduce", "bidirectional_ring_allreduce",
+           "tree_allreduce", "gloo_allreduce",
            "ALGORITHMS", "check_worker", "bench_worker", "check", "benchmark"]
 
 
@@ -106,6 +107,44 @@ def ring_allreduce(x: torch.Tensor) -> torch.Tensor:
         send = chunks[(rank + 1 - step) % world_size]
         mine = chunks[(rank - step) % world_size]
         _exchange(send, right, mine, left)
+    return x
+
+
+@torch.no_grad()
+def bidirectional_ring_allreduce(x: torch.Tensor) -> torch.Tensor:
+    """Two rings at once: the first half of ``x`` goes around 0 → 1 → … → 0 as in
+    :func:`ring_allreduce`, the second half the other way round, so both directions of
+    every link carry data. The same 2 (N - 1) steps, each with two messages of n / 2N
+    values (one to each neighbour) instead of one of n / N: on full-duplex links that
+    halves the bandwidth term. Not among :data:`ALGORITHMS`: the answer to an exercise
+    (its check is :func:`dpbook.torch.exercises.check_ring_allreduce`)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size == 1:
+        return x
+    rings = []                       # (chunks, our position on the ring, next, previous)
+    for half, direction in zip(torch.tensor_split(x, 2), (1, -1)):
+        rings.append((torch.tensor_split(half, world_size), (direction * rank) % world_size,
+                      (rank + direction) % world_size, (rank - direction) % world_size))
+    for gather in (False, True):     # reduce-scatter, then all-gather, as in the ring
+        for step in range(world_size - 1):
+            requests, additions = [], []
+            for tag, (chunks, position, after, before) in enumerate(rings):
+                if gather:
+                    send = chunks[(position + 1 - step) % world_size]
+                    received = chunks[(position - step) % world_size]
+                else:
+                    send = chunks[(position - step) % world_size]
+                    mine = chunks[(position - step - 1) % world_size]
+                    received = torch.empty_like(mine)
+                    additions.append((mine, received))
+                if send.numel():     # tags keep the two rings apart when N = 2
+                    requests.append(dist.isend(send, after, tag=tag))
+                if received.numel():
+                    requests.append(dist.irecv(received, before, tag=tag))
+            for request in requests:
+                request.wait()
+            for mine, received in additions:
+                mine += received
     return x
 
 

@@ -1,18 +1,23 @@
-"""Checked exercises for PyTorch (see :mod:`dpbook.exercises`): the reader's allreduce and
-split_batch (on CPU "devices": distinct tensors, as in the from-scratch chapter), DDP's
-bucket assignment, 2-bit quantization with error feedback, gradient accumulation over
-micro-batches, and a ZeRO shard with its padding — each run on the cases careless
-solutions get wrong, in one process, so they run on any laptop in seconds."""
+"""Checked exercises for PyTorch (see :mod:`dpbook.exercises`): replicas that are real
+copies, the reader's allreduce and split_batch (on CPU "devices": distinct tensors, as in
+the from-scratch chapter), a data-parallel step equal to one device's, DDP's bucket
+assignment, 2-bit quantization with error feedback, gradient accumulation over
+micro-batches, a ZeRO shard with its padding and an atomic checkpoint — each run in one
+process on the cases careless solutions get wrong — and a ring allreduce (plain, pipelined
+or bidirectional) run by 2, 3 and 4 gloo processes at once (:func:`check_ring_allreduce`).
+Every check takes seconds on a laptop's CPU."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ..exercises import HINTS, Failure, run_check
 
-__all__ = ["check_allreduce", "check_split_batch", "check_accumulation", "check_shard",
-           "check_buckets", "check_two_bit"]
+__all__ = ["check_replicate", "check_allreduce", "check_split_batch", "check_dp_step",
+           "check_accumulation", "check_shard", "check_buckets", "check_two_bit",
+           "check_atomic_save", "check_ring_allreduce"]
 
 HINTS.update({
     "allreduce-rebind": {
@@ -297,3 +302,464 @@ def check_two_bit(fn: Callable[[torch.Tensor, torch.Tensor, float],
         return None
 
     return run_check("two_bit", cases, run_case, quiet)
+
+
+HINTS.update({
+    "replicate-count": {
+        "en": "return one list of tensors per device, each as long as params",
+        "zh": "每个设备返回一个张量列表，长度与params相同"},
+    "replicate-shared": {
+        "en": "two replicas share memory: Tensor.to(device) returns the very same tensor when "
+              "it is already on that device (always, on a CPU), so an update on one device "
+              "would change the others. Every replica needs its own storage",
+        "zh": "两个副本共用同一块内存：张量已经在目标设备上时（在CPU上总是如此），"
+              "Tensor.to(device)返回的就是这个张量本身，"
+              "于是一个设备上的更新会改动其他设备上的参数。每个副本都需要自己的存储"},
+    "replicate-values": {
+        "en": "replica j of params[i] must be on devices[j], with the same values, shape "
+              "and dtype as params[i]",
+        "zh": "params[i]的第j个副本必须放在devices[j]上，"
+              "值、形状和数据类型都与params[i]相同"},
+    "replicate-leaf": {
+        "en": "a replica must be a leaf tensor that records gradients (requires_grad=True, "
+              "no grad_fn): otherwise backward leaves its .grad empty, or sends the "
+              "gradient back to the original parameters",
+        "zh": "副本必须是记录梯度的叶子张量（requires_grad=True，且没有grad_fn）："
+              "否则反向传播之后它的.grad是空的，或者梯度会流回原来的参数"},
+    "dp-step-scale": {
+        "en": "the replicas took a step k times too large: each replica's loss is already a "
+              "mean over its part, so the gradients must be averaged over the k replicas, "
+              "not summed",
+        "zh": "副本迈出的一步大了k倍：每个副本的损失已经是它那一份上的平均值，"
+              "所以k个副本的梯度要取平均，而不是求和"},
+    "dp-step-small": {
+        "en": "the replicas took a step k times too small: the gradients were averaged twice "
+              "(the loss is a mean over the part already; divide by k only once)",
+        "zh": "副本迈出的一步小了，只有应有的1/k：梯度被平均了两次"
+              "（损失本身已是那一份上的平均值；只除以k一次）"},
+    "dp-step-diverged": {
+        "en": "after the step the replicas differ: every replica must apply the same "
+              "averaged gradient",
+        "zh": "这一步之后各副本不再相同：每个副本都必须用同一个平均后的梯度更新"},
+    "dp-step-unequal": {
+        "en": "the parts have different sizes, and the mean of the replicas' mean gradients "
+              "weights the examples of a small part more: weight replica i's gradient by "
+              "its share of the examples",
+        "zh": "各份大小不同，而对各副本的平均梯度再求平均，"
+              "会让小份里的样本权重更大：副本i的梯度要按它所占样本的比例加权"},
+    "dp-step-value": {
+        "en": "every replica must end with the parameters of one SGD step on the whole "
+              "batch (cross-entropy, mean over all examples)",
+        "zh": "每个副本最后的参数，都必须等于在整个批量上走一步SGD的结果"
+              "（交叉熵，在所有样本上取平均）"},
+    "atomic-save-load": {
+        "en": "torch.load(path) must give back the state that was saved",
+        "zh": "torch.load(path)必须读回保存的状态"},
+    "atomic-save-torn": {
+        "en": "a crash while writing left a broken or different file at path: a restarted "
+              "run would find no usable checkpoint. The file at path must always be a "
+              "complete checkpoint, the old one or the new one; write somewhere else first",
+        "zh": "写入途中的崩溃让path上只剩一个损坏的或不同的文件，"
+              "重启后的运行找不到可用的检查点。path上的文件必须始终是完整的检查点，"
+              "要么是旧的，要么是新的；先写到别处"},
+    "atomic-save-leftover": {
+        "en": "after a failed save a temporary file was left in the folder: remove it "
+              "whatever happens (try/finally), or every crash leaves one more",
+        "zh": "保存失败后，文件夹里留下了临时文件：无论发生什么都要删掉它"
+              "（try/finally），否则每次崩溃都会多留一个"},
+    "ring-process-timeout": {
+        "en": "a process waited for a message that never came, until the timeout or until "
+              "its neighbour gave up: every send needs a receive of the same size on the "
+              "neighbour in the same step. When both neighbours first send with blocking "
+              "dist.send, each waits for the other; post the send and the receive together "
+              "(dist.isend, dist.irecv), then wait for both",
+        "zh": "有进程在等一条永远不会来的消息，直到超时或邻居放弃："
+              "每次发送都需要邻居在同一步里接收同样大小的数据。"
+              "两个邻居都先用阻塞的dist.send发送时，双方都在等对方；"
+              "应当同时发起发送和接收（dist.isend、dist.irecv），再等两者完成"},
+    "ring-process-sum": {
+        "en": "after fn(x) every process's x must hold the sum over all processes. With N "
+              "processes the ring takes N - 1 steps to reduce and N - 1 more to gather; a "
+              "version written for 2 processes often does one of each. Tensors with fewer "
+              "values than processes give empty chunks",
+        "zh": "fn(x)之后，每个进程的x都必须是所有进程上的总和。"
+              "N个进程的环要用N - 1步归约，再用N - 1步收集；为2个进程写的版本往往各只做了一步。"
+              "值的个数少于进程数时，有的块是空的"},
+    "ring-process-inplace": {
+        "en": "x itself must hold the sum, like dist.all_reduce(x): the caller keeps x, not "
+              "what the function returns. Add into x's chunks (views of x) or copy the "
+              "result into x",
+        "zh": "和dist.all_reduce(x)一样，总和必须写在x本身："
+              "调用者留着的是x，而不是函数的返回值。把结果加到x的块（x的视图）上，或复制回x"},
+    "ring-process-p2p": {
+        "en": "no point-to-point message was seen: write the ring with dist.send/dist.recv "
+              "or dist.isend/dist.irecv (a collective such as dist.all_reduce does not count)",
+        "zh": "没有看到点对点消息：用dist.send/dist.recv或dist.isend/dist.irecv实现环"
+              "（dist.all_reduce这样的集合通信不算）"},
+    "ring-process-neighbours": {
+        "en": "in a ring each process talks only to its two neighbours, rank + 1 and "
+              "rank - 1 (mod N); here a process sent to or received from another rank",
+        "zh": "环中每个进程只与两个邻居通信，即rank + 1和rank - 1（模N）；"
+              "这里有进程与别的进程收发了消息"},
+    "ring-process-bytes": {
+        "en": "each process must send 2 (N - 1) / N of the tensor in all: N - 1 chunks of "
+              "n / N values to reduce and N - 1 to gather. Sending whole tensors (as the "
+              "naive and the tree allreduce do) costs more per process",
+        "zh": "每个进程总共只应发送张量的2 (N - 1) / N：归约时N - 1个大小为n / N的块，"
+              "收集时再N - 1个。发送整个张量（朴素算法和树形算法都是这样）"
+              "会让每个进程发送更多数据"},
+    "ring-process-both-ways": {
+        "en": "a bidirectional ring sends half of the data each way: every process must "
+              "send as many values to its left neighbour as to its right",
+        "zh": "双向环让一半数据沿一个方向走，另一半沿另一个方向走："
+              "每个进程发给左邻居和右邻居的值必须一样多"},
+})
+
+
+def check_replicate(fn: Callable[[Sequence[torch.Tensor], Sequence[torch.device]],
+                                 Sequence[Sequence[torch.Tensor]]], quiet: bool = False
+                    ) -> Failure | None:
+    """Check ``fn(params, devices) -> replicas``: ``replicas[j][i]`` is a copy of
+    ``params[i]`` on ``devices[j]`` with its own storage (so an update on one device does
+    not change another), a leaf tensor that records gradients — what
+    :func:`dpbook.torch.scratch.get_params` does for one device. On a CPU-only machine
+    every "device" is the CPU, which is where ``Tensor.to`` copies nothing."""
+    cases = [(f"{k} device(s), {m} parameter(s)", (k, m)) for k in (1, 2, 3, 4)
+             for m in (1, 3)]
+
+    def run_case(case):
+        k, m = case
+        g = torch.Generator().manual_seed(k * 10 + m)
+        params = [torch.randn(3, 2, generator=g).requires_grad_() for _ in range(m)]
+        originals = [p.detach().clone() for p in params]
+        devices = _devices(k)
+        replicas = [list(r) for r in fn(params, devices)]
+        if len(replicas) != k or any(len(r) != m for r in replicas):
+            return Failure("replicate-count", f"{len(replicas)} replicas of lengths "
+                           f"{[len(r) for r in replicas]}")
+        for j, (replica, device) in enumerate(zip(replicas, devices)):
+            for i, (t, o) in enumerate(zip(replica, originals)):
+                if (not isinstance(t, torch.Tensor) or t.device != device or t.shape != o.shape
+                        or t.dtype != o.dtype or not torch.equal(t.detach(), o)):
+                    return Failure("replicate-values", f"replica {j}, parameter {i}")
+        storages = [("params", i, p.untyped_storage().data_ptr()) for i, p in enumerate(params)]
+        storages += [(j, i, t.untyped_storage().data_ptr())
+                     for j, r in enumerate(replicas) for i, t in enumerate(r)]
+        seen = {}
+        for j, i, ptr in storages:
+            if ptr in seen:
+                (j0, i0) = seen[ptr]
+                return Failure("replicate-shared", f"replica {j}, parameter {i} shares memory "
+                               f"with {'params' if j0 == 'params' else f'replica {j0}'}, "
+                               f"parameter {i0}")
+            seen[ptr] = (j, i)
+        for j, replica in enumerate(replicas):
+            for i, t in enumerate(replica):
+                if not t.requires_grad or t.grad_fn is not None:
+                    return Failure("replicate-leaf", f"replica {j}, parameter {i}: "
+                                   f"requires_grad={t.requires_grad}, grad_fn="
+                                   f"{type(t.grad_fn).__name__ if t.grad_fn else None}")
+        return None
+
+    return run_check("replicate", cases, run_case, quiet)
+
+
+def _step_model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+
+
+def check_dp_step(fn: Callable[[list[torch.nn.Module], list[torch.Tensor], list[torch.Tensor],
+                                float], object], quiet: bool = False) -> Failure | None:
+    """Check ``fn(replicas, Xs, ys, lr)``: one data-parallel SGD step. ``replicas`` are k
+    copies of one model (gradients ``None``), ``(Xs[i], ys[i])`` is replica i's part of
+    the batch; afterwards every replica must hold the parameters of one plain SGD step
+    (``p -= lr * grad``) on the mean cross-entropy over the whole batch — what one device
+    does. Equal parts first (what DDP's sampler gives), then parts of unequal sizes."""
+    cases = [(f"{k} replica(s), parts of sizes {sizes}", (k, sizes)) for k, sizes in (
+        (1, [4]), (2, [2, 2]), (3, [4, 4, 4]), (4, [3, 3, 3, 3]), (2, [3, 1]), (3, [5, 2, 1]))]
+    lr = 0.5
+
+    def run_case(case):
+        k, sizes = case
+        g = torch.Generator().manual_seed(sum(sizes) + k)
+        X, y = torch.randn(sum(sizes), 4, generator=g), torch.randint(0, 3, (sum(sizes),),
+                                                                      generator=g)
+        one = _step_model()
+        torch.nn.functional.cross_entropy(one(X), y).backward()
+        with torch.no_grad():
+            want = [p - lr * p.grad for p in one.parameters()]
+            start = [p.detach().clone() for p in one.parameters()]
+        replicas = [_step_model() for _ in range(k)]
+        fn(replicas, list(X.split(sizes)), list(y.split(sizes)), lr)
+        got = [[p.detach() for p in r.parameters()] for r in replicas]
+        if any(not torch.allclose(a, b, atol=1e-6) for r in got[1:] for a, b in zip(r, got[0])):
+            return Failure("dp-step-diverged", "replica 0 and another differ by "
+                           f"{max(float((a - b).abs().max()) for r in got[1:] for a, b in zip(r, got[0])):.3g}")
+        if all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got[0], want)):
+            return None
+        step = [a - s for a, s in zip(got[0], start)]
+        right = [w - s for w, s in zip(want, start)]
+        ratio = float(sum((a * b).sum() for a, b in zip(step, right))
+                      / sum((b * b).sum() for b in right))
+        seen = f"the step is {ratio:.3g} × the one-device step"
+        if k > 1 and abs(ratio - k) < 0.05 * k:
+            return Failure("dp-step-scale", seen)
+        if k > 1 and abs(ratio - 1 / k) < 0.05 / k:
+            return Failure("dp-step-small", seen)
+        if len(set(sizes)) > 1:
+            return Failure("dp-step-unequal", seen)
+        return Failure("dp-step-value", seen)
+
+    return run_check("dp_step", cases, run_case, quiet)
+
+
+class _Crash:
+    """Pickling this raises: the stand-in for a process killed halfway through a save."""
+
+    def __reduce__(self):
+        raise RuntimeError("simulated crash while writing the checkpoint")
+
+
+def check_atomic_save(fn: Callable[[dict, str], object], quiet: bool = False
+                      ) -> Failure | None:
+    """Check ``fn(state, path)``, which saves the checkpoint ``state`` (a dict) to ``path``:
+    ``torch.load(path)`` gives it back; and when the write fails halfway — the state holds
+    an object that cannot be pickled, the stand-in for a process killed while saving —
+    ``path`` still holds the previous complete checkpoint and no temporary file is left."""
+    import os
+    import tempfile
+    cases = [("one save", 1), ("a save, then one that crashes halfway", 2),
+             ("three saves, the last crashes halfway", 3)]
+
+    def state(i, crash=False):
+        s = {"epoch": i, "weights": torch.full((256, 256), float(i))}
+        if crash:
+            s["bad"] = _Crash()
+        return s
+
+    def run_case(saves):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "checkpoint.pt")
+            for i in range(1, saves + 1):
+                crash = saves > 1 and i == saves
+                try:
+                    fn(state(i, crash), path)
+                except Exception:  # noqa: BLE001 - the crash may propagate: that is fine
+                    if not crash:
+                        raise
+                last = i - 1 if crash else i
+                try:
+                    loaded = torch.load(path, weights_only=True)
+                    intact = (loaded.get("epoch") == last
+                              and torch.equal(loaded.get("weights"), state(last)["weights"]))
+                except Exception as e:  # noqa: BLE001 - a torn file fails to load
+                    intact, loaded = False, f"{type(e).__name__}"
+                if not intact:
+                    return Failure("atomic-save-torn" if crash else "atomic-save-load",
+                                   f"after save {i}: torch.load(path) gives "
+                                   f"{loaded if isinstance(loaded, str) else 'epoch ' + str(loaded.get('epoch'))}"
+                                   f", expected epoch {last}")
+            left = sorted(set(os.listdir(folder)) - {"checkpoint.pt"})
+            if left:
+                return Failure("atomic-save-leftover", f"files left: {left}")
+        return None
+
+    return run_check("atomic_save", cases, run_case, quiet)
+
+
+# ------------------------------------------------------------ ring allreduce, processes
+
+_P2P = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+
+
+def _record_messages(log: list) -> dict:
+    """Patch ``torch.distributed``'s point-to-point functions (and the module that defines
+    them, so ``P2POp``/``batch_isend_irecv`` see the same) to append ``(kind, peer,
+    values)`` to ``log``; returns the originals to restore."""
+    import inspect
+    from torch.distributed import distributed_c10d as c10d
+    originals = {name: getattr(c10d, name) for name in _P2P}
+    inside: list[str] = []
+
+    def wrap(name, original):
+        signature = inspect.signature(original)
+
+        def recorded(*args, **kwargs):
+            if inside:                          # dist.send calls dist.isend: count once
+                return original(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs).arguments
+            peer = bound.get(_P2P[name])
+            if peer is None:
+                peer = bound.get("group_" + _P2P[name])
+            log.append((name, peer, bound["tensor"].numel()))
+            inside.append(name)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside.pop()
+        return recorded
+
+    for name, original in originals.items():
+        setattr(c10d, name, wrap(name, original))
+        setattr(dist, name, getattr(c10d, name))
+    return originals
+
+
+def _restore_messages(originals: dict) -> None:
+    from torch.distributed import distributed_c10d as c10d
+    for name, original in originals.items():
+        setattr(c10d, name, original)
+        setattr(dist, name, original)
+
+
+def _ring_worker(rank: int, nprocs: int, payload: bytes, worlds: Sequence[int],
+                 sizes: Sequence[int], timeout: float, out: str) -> None:
+    """One process of :func:`check_ring_allreduce`: for each world size w, the first w
+    processes form a gloo group (a fresh one, on a prefix of one shared store) and call the
+    reader's function on every size; the results go to ``out.<rank>`` (JSON). The groups
+    agree through the store whether to go on, so a failure or a deadlock stops everyone."""
+    import datetime
+    import json
+    import os
+    import traceback
+    import cloudpickle
+    from .allreduce import _rank_data
+    torch.set_num_threads(1)
+    fn = cloudpickle.loads(payload)
+    wait = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), nprocs,
+                          rank == 0, wait)
+    results = []
+    for w in worlds:
+        failed = False
+        if rank < w:
+            dist.init_process_group("gloo", store=dist.PrefixStore(f"world{w}", store),
+                                    rank=rank, world_size=w, timeout=wait)
+            try:
+                for size in sizes:
+                    x = _rank_data(rank, size)
+                    expected = sum(_rank_data(r, size) for r in range(w))
+                    log, error = [], None
+                    originals = _record_messages(log)
+                    try:
+                        returned = fn(x)
+                    except Exception as e:  # noqa: BLE001 - the reader's code
+                        returned, error = None, "".join(
+                            traceback.format_exception_only(type(e), e)).strip()
+                    finally:
+                        _restore_messages(originals)
+                    wrong = [] if error else (x != expected).nonzero().flatten().tolist()
+                    results.append(dict(
+                        world=w, size=size, rank=rank, error=error, messages=log,
+                        wrong=wrong[:1], got=x[wrong[0]].item() if wrong else None,
+                        want=expected[wrong[0]].item() if wrong else None,
+                        returned_right=(isinstance(returned, torch.Tensor)
+                                        and returned.shape == expected.shape
+                                        and bool(torch.equal(returned, expected)))))
+                    if error or wrong:
+                        failed = True
+                        break
+            finally:
+                dist.destroy_process_group()     # closes our links: waiting peers fail fast
+        store.set(f"done{w}/{rank}", "fail" if failed else "ok")
+        verdicts = []
+        for r in range(w):
+            store.wait([f"done{w}/{r}"], datetime.timedelta(seconds=timeout * 3))
+            verdicts.append(store.get(f"done{w}/{r}").decode())
+        with open(f"{out}.{rank}", "w") as f:           # after every world: a crash
+            json.dump(results, f)                       # later keeps what was seen
+        if "fail" in verdicts:
+            break
+    store.set(f"exit/{rank}", "1")
+    if rank == 0:                       # rank 0 serves the store: it leaves last
+        store.wait([f"exit/{r}" for r in range(nprocs)], datetime.timedelta(seconds=60))
+
+
+def check_ring_allreduce(fn: Callable[[torch.Tensor], object], bidirectional: bool = False,
+                         quiet: bool = False, timeout: float = 10.0) -> Failure | None:
+    """Check ``fn(x)``, called by every process of a gloo group on its own 1-D float32
+    tensor ``x``, like :func:`dpbook.torch.allreduce.ring_allreduce`: afterwards every
+    process's ``x`` holds the elementwise sum, in place; processes only exchange
+    point-to-point messages with their neighbours ``rank ± 1``; each sends 2 (N - 1) / N of
+    the tensor in all (the ring's bandwidth); and with ``bidirectional=True``, as many
+    values to the left as to the right (N ≥ 3). A pipelined ring passes too.
+
+    2, 3 and 4 processes (started once, :func:`dpbook.torch.dist.spawn`), sizes from 1
+    value (fewer than processes: empty chunks) to 1,200. ``fn`` may be defined in the
+    notebook: it reaches the processes by value (cloudpickle). A process that waits
+    longer than ``timeout`` seconds for a message gives up, so a deadlock fails the check
+    instead of hanging it; no process is left behind."""
+    import json
+    import os
+    import tempfile
+    import cloudpickle
+    from .dist import spawn
+    worlds, sizes = (2, 3, 4), (1, 5, 64, 1200)
+    cases = [(f"{w} processes, {n} value(s)", (w, n)) for w in worlds for n in sizes]
+    results: dict = {}
+
+    def launch():
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out")
+            try:
+                spawn(_ring_worker, max(worlds), cloudpickle.dumps(fn), worlds, sizes,
+                      timeout, out, timeout=60 + 12 * timeout)
+            finally:                                    # read what was written, whatever
+                for rank in range(max(worlds)):
+                    if os.path.exists(f"{out}.{rank}"):
+                        with open(f"{out}.{rank}") as f:
+                            for r in json.load(f):
+                                results.setdefault((r["world"], r["size"]), {})[r["rank"]] = r
+
+    def run_case(case):
+        if not results:
+            launch()
+        w, n = case
+        ranks = results.get(case, {})
+        if len(ranks) < w:
+            return Failure("ring-process-timeout", f"{len(ranks)} of {w} processes finished")
+        errors = {r: v["error"] for r, v in ranks.items() if v["error"]}
+        if errors:           # a peer that gave up makes its neighbours fail: find the cause
+            echoes = ("closed by peer", "reset by peer", "timed out", "timeout")
+            causes = {r: e for r, e in errors.items() if not any(w in e.lower() for w in echoes)}
+            rank, error = min((causes or errors).items())
+            error = error.split("] ", 1)[-1] if "gloo" in error else error   # gloo's path
+            if causes:
+                return Failure("exception", f"rank {rank}: {error[:300]}")
+        wrong = {r: v for r, v in ranks.items() if v["wrong"]}
+        if wrong:
+            rank, v = min(wrong.items())
+            seen = (f"rank {rank}: x[{v['wrong'][0]}] = {v['got']:g}, the sum is {v['want']:g}")
+            if all(v["returned_right"] for v in ranks.values()):
+                return Failure("ring-process-inplace", seen)
+            return Failure("ring-process-sum", seen)
+        if errors:
+            return Failure("ring-process-timeout", f"rank {rank}: {error[:300]}")
+        sends = {r: [(peer, k) for kind, peer, k in v["messages"] if kind in ("send", "isend")]
+                 for r, v in ranks.items()}
+        if w > 1 and n >= w and not any(sends.values()):
+            return Failure("ring-process-p2p", "no dist.send/isend/recv/irecv")
+        for r, v in sorted(ranks.items()):
+            peers = {peer for _, peer, _ in v["messages"]}
+            if not peers <= {(r + 1) % w, (r - 1) % w}:
+                return Failure("ring-process-neighbours", f"rank {r} exchanged messages with "
+                               f"ranks {sorted(peers)}")
+        if n % (2 * w) == 0 and n >= 100:           # chunks and half-chunks divide exactly
+            want = 2 * (w - 1) * n // w
+            for r, s in sorted(sends.items()):
+                sent = sum(k for _, k in s)
+                if abs(sent - want) > 2 * w:
+                    return Failure("ring-process-bytes", f"rank {r} sent {sent} values of "
+                                   f"{n}; a ring sends {want}")
+            if bidirectional and w >= 3:
+                for r, s in sorted(sends.items()):
+                    right = sum(k for peer, k in s if peer == (r + 1) % w)
+                    left = sum(k for peer, k in s if peer == (r - 1) % w)
+                    if abs(right - left) > 2 * w:
+                        return Failure("ring-process-both-ways", f"rank {r} sent {right} "
+                                       f"values to the right, {left} to the left")
+        return None
+
+    return run_check("bidirectional_ring" if bidirectional else "ring_allreduce", cases,
+                     run_case, quiet)
