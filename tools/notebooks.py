@@ -14,7 +14,8 @@ outside the book:
 * figures point at the repository's raw files, and ``{ref}`` roles become the title of
   the section they name;
 * a ``{glue:text}`` role (a number from the run, glued by ``dpbook.glue``) becomes the
-  value of the stored run, formatted as the role asks.
+  value of the stored run, formatted as the role asks; a ``{dpbook-widget}`` (an
+  interactive widget of the site) becomes a line that says what the site shows there.
 
 They carry the outputs of the stored run at the ``cpu`` scale (``outputs/cpu/``, see
 tools/runs.py) when its code cells are those of the source, so a reader sees results
@@ -210,6 +211,15 @@ def paste(values: dict[str, str], key: str, spec: str | None) -> str:
     return format_plain_text(values[key], spec or "")
 
 
+#: ``{dpbook-widget}`` (tools/dpbook_site.py) draws an interactive widget on the site; a
+#: notebook says so instead (the cell above it holds the same data).
+WIDGET_TITLES = {"alpha-beta": {"en": "an α–β calculator", "zh": "α–β计算器"},
+                 "ring-replay": {"en": "a replay of the ring allreduce recorded above",
+                                 "zh": "上面记录的环形全归约的回放"}}
+WIDGET_NOTE = {"en": "> *On the book's website, this place holds {}.*",
+               "zh": "> *在本书的网站上，这里是{}。*"}
+
+
 def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str],
                      values: dict[str, str] | None = None) -> str:
     """A markdown cell's MyST, rewritten for plain Jupyter (see the module docstring);
@@ -227,6 +237,8 @@ def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str],
         if name == "figure":
             rel = target.relative_to(ROOT).as_posix()
             return f"![{rel}]({raw_url(rel, lang)})\n\n*{content}*"
+        if name == "dpbook-widget":
+            return WIDGET_NOTE[lang].format(WIDGET_TITLES[arg][lang])
         return m[0]
 
     text = FENCE.sub(directive, text)

@@ -111,10 +111,12 @@ def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:
 LINKS = {
     "PCIe 3.0 x16": 15.75e9,
     "PCIe 4.0 x16": 31.5e9,
+    "PCIe 5.0 x16": 63.0e9,
     "NVLink (V100, 6 links)": 150e9,
     "NVLink (H100, 18 links)": 450e9,
     "Ethernet 10 Gbit/s": 1.25e9,
     "Ethernet 100 Gbit/s": 12.5e9,
+    "InfiniBand NDR 400 Gbit/s": 50e9,
 }
 
 

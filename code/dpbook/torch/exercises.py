@@ -570,49 +570,6 @@ def check_atomic_save(fn: Callable[[dict, str], object], quiet: bool = False
 
 # ------------------------------------------------------------ ring allreduce, processes
 
-_P2P = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
-
-
-def _record_messages(log: list) -> dict:
-    """Patch ``torch.distributed``'s point-to-point functions (and the module that defines
-    them, so ``P2POp``/``batch_isend_irecv`` see the same) to append ``(kind, peer,
-    values)`` to ``log``; returns the originals to restore."""
-    import inspect
-    from torch.distributed import distributed_c10d as c10d
-    originals = {name: getattr(c10d, name) for name in _P2P}
-    inside: list[str] = []
-
-    def wrap(name, original):
-        signature = inspect.signature(original)
-
-        def recorded(*args, **kwargs):
-            if inside:                          # dist.send calls dist.isend: count once
-                return original(*args, **kwargs)
-            bound = signature.bind(*args, **kwargs).arguments
-            peer = bound.get(_P2P[name])
-            if peer is None:
-                peer = bound.get("group_" + _P2P[name])
-            log.append((name, peer, bound["tensor"].numel()))
-            inside.append(name)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                inside.pop()
-        return recorded
-
-    for name, original in originals.items():
-        setattr(c10d, name, wrap(name, original))
-        setattr(dist, name, getattr(c10d, name))
-    return originals
-
-
-def _restore_messages(originals: dict) -> None:
-    from torch.distributed import distributed_c10d as c10d
-    for name, original in originals.items():
-        setattr(c10d, name, original)
-        setattr(dist, name, original)
-
-
 def _ring_worker(rank: int, nprocs: int, payload: bytes, worlds: Sequence[int],
                  sizes: Sequence[int], timeout: float, out: str) -> None:
     """One process of :func:`check_ring_allreduce`: for each world size w, the first w
@@ -624,7 +581,7 @@ def _ring_worker(rank: int, nprocs: int, payload: bytes, worlds: Sequence[int],
     import os
     import traceback
     import cloudpickle
-    from .allreduce import _rank_data
+    from .allreduce import _rank_data, recording
     torch.set_num_threads(1)
     fn = cloudpickle.loads(payload)
     wait = datetime.timedelta(seconds=timeout)
@@ -641,14 +598,13 @@ def _ring_worker(rank: int, nprocs: int, payload: bytes, worlds: Sequence[int],
                     x = _rank_data(rank, size)
                     expected = sum(_rank_data(r, size) for r in range(w))
                     log, error = [], None
-                    originals = _record_messages(log)
                     try:
-                        returned = fn(x)
+                        with recording(lambda kind, peer, t: log.append((kind, peer,
+                                                                         t.numel()))):
+                            returned = fn(x)
                     except Exception as e:  # noqa: BLE001 - the reader's code
                         returned, error = None, "".join(
                             traceback.format_exception_only(type(e), e)).strip()
-                    finally:
-                        _restore_messages(originals)
                     wrong = [] if error else (x != expected).nonzero().flatten().tolist()
                     results.append(dict(
                         world=w, size=size, rank=rank, error=error, messages=log,
