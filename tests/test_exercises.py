@@ -454,3 +454,16 @@ def test_ring_over_processes_takes_a_function_defined_in_the_notebook():
          "    return allreduce.ring_allreduce(x.clone())\n", namespace)
     failure = torch_exercises.check_ring_allreduce(namespace["copying_ring"], quiet=True)
     assert failure.hint == "ring-process-inplace"
+
+
+def test_every_hint_a_check_names_is_in_hints_yml():
+    """Hints are data (dpbook/hints.yml): every key a check can return is there, and
+    every key there is used by some check."""
+    import re
+    from pathlib import Path
+    sources = "".join(Path(m.__file__).read_text() for m in
+                      (exercises, torch_exercises, jax_exercises))
+    used = {key for call in re.findall(r"Failure\(([^,]*),", sources)   # the first argument
+            for key in re.findall(r'"([\w-]+)"', call)}
+    assert used and used <= set(exercises.HINTS), used - set(exercises.HINTS)
+    assert set(exercises.HINTS) - {"exception"} <= used, set(exercises.HINTS) - used

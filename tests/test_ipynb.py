@@ -38,7 +38,8 @@ def test_notebooks_are_self_contained(lang):
     for path in sorted((notebooks.OUT / lang).rglob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-        leftovers = re.findall(r"\{(?:literalinclude|ref|numref|figure|doc|glue[:\w]*)\}", text)
+        leftovers = re.findall(
+            r"\{(?:literalinclude|ref|numref|figure|doc|glue[:\w]*|dpbook-widget)\}", text)
         assert not leftovers, (path, leftovers)
         assert "../../../" not in text, path
         # The same code cells as the source, after the install cell.
@@ -57,6 +58,8 @@ def test_notebooks_are_self_contained(lang):
     scratch = (notebooks.OUT / lang / "from-scratch" / "pytorch.ipynb").read_text("utf8")
     assert "def allreduce(data" in scratch      # literalinclude became the code itself
     assert "raw.githubusercontent.com/dpbook/dpbook/main/figures/data-parallel-step.svg" in scratch
+    allreduce = (notebooks.OUT / lang / "communication" / "allreduce.ipynb").read_text("utf8")
+    assert notebooks.WIDGET_TITLES["ring-replay"][lang] in allreduce   # the site's widget, named
 
 
 def test_install_cell_installs_only_dpbook():

@@ -145,16 +145,8 @@ def test_killed_worker_without_restarts_fails_clearly(tmp_path, fashion_mnist_di
     assert (tmp_path / "run.pt").is_file()          # epoch 1 was saved before the crash
 
 
-@pytest.mark.timeout(180)
-def test_resume_continues_with_the_same_parameters(tmp_path, fashion_mnist_dir):
-    straight = _args(tmp_path, "straight", fashion_mnist_dir, epochs=2)
-    first = _args(tmp_path, "resumed", fashion_mnist_dir, epochs=1)
-    second = _args(tmp_path, "resumed", fashion_mnist_dir, epochs=2, resume=True)
-    launch.run_local([dist.torchrun_command(straight, nproc_per_node=2)], timeout=150)
-    launch.run_local([dist.torchrun_command(first, nproc_per_node=2)], timeout=150)
-    [result] = launch.run_local([dist.torchrun_command(second, nproc_per_node=2)], timeout=150)
-    assert "resumed from" in result.output
-    assert ddp_check.max_checkpoint_difference(tmp_path / "straight.pt", tmp_path / "resumed.pt") == 0.0
+# Resuming from a checkpoint gives the parameters of an uninterrupted run (difference 0.0):
+# asserted by the multi-machine notebook ("When things fail"), which the suite runs.
 
 
 # --- JAX: two processes × two emulated devices ---------------------------------------------

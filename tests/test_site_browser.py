@@ -169,3 +169,151 @@ def test_chinese_search_finds_pages(server, page):
     links = results.locator("a").evaluate_all("els => els.map(e => e.href)")
     assert links and all(link.startswith(server + "zh/chapters/zh/") for link in links), links
     assert all(_status(urldefrag(link)[0]) == 200 for link in links)
+
+
+# ---------------------------------------------------------------- interactive widgets
+
+WIDGET_PAGES = {"en": "chapters/en/communication/allreduce.html",
+                "zh": "zh/chapters/zh/communication/allreduce.html"}
+
+
+def _widget_data(page, name: str) -> dict:
+    return page.locator(f'.dpbook-widget[data-widget="{name}"] script[type="application/json"]'
+                        ).evaluate("e => JSON.parse(e.textContent)")
+
+
+@pytest.mark.parametrize("lang", list(WIDGET_PAGES))
+def test_widgets_mount_in_the_editions_language(server, page, lang):
+    """Both widgets of the communication page mount, hide their static fallback, label
+    their controls in the edition's language, and get a screenshot each."""
+    _open(page, server, WIDGET_PAGES[lang])
+    widgets = page.locator(".dpbook-widget.dpbook-widget-mounted")
+    widgets.first.wait_for()
+    assert widgets.count() == 2
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    for name in ("alpha-beta", "ring-replay"):
+        widget = page.locator(f'.dpbook-widget[data-widget="{name}"]')
+        assert widget.get_attribute("data-lang") == lang
+        assert not widget.locator(".dpbook-widget-fallback").is_visible()
+        widget.scroll_into_view_if_needed()
+        widget.screenshot(path=str(SCREENSHOTS / f"{lang}-widget-{name}.png"))
+    text = page.locator('.dpbook-widget[data-widget="alpha-beta"]').inner_text()
+    assert ("链路" in text and "总线带宽" in text) if lang == "zh" else (
+        "link" in text and "bus bandwidth" in text)
+    assert page.locator('.dpbook-widget[data-widget="alpha-beta"] polyline').count() == 3
+
+
+def test_calculator_agrees_with_the_cost_model(server, page):
+    """The page's formulas equal dpbook.costmodel's at test points, and the preset "this
+    machine" holds the values the page prints from the same fit."""
+    from dpbook import costmodel
+    _open(page, server, WIDGET_PAGES["en"])
+    points = [(a, n, N, alpha, beta) for a in costmodel.ALGORITHMS for n in (1, 1e3, 2**20, 3e9)
+              for N in (1, 2, 3, 4, 8, 1000) for alpha, beta in ((1e-5, 1e-9), (0, 3e-11), (5e-6, 0))]
+    js = page.evaluate("points => points.map(p => window.dpbookWidgets.model.predict(...p))",
+                       points)
+    for p, value in zip(points, js):
+        assert value == pytest.approx(costmodel.predict(*p), rel=1e-12, abs=1e-300), p
+    for N in (2, 3, 4, 8, 1000):
+        assert page.evaluate("N => window.dpbookWidgets.model.coefficients('ring', N)", N) == \
+            pytest.approx(list(costmodel.coefficients("ring", N)))
+        assert page.evaluate("args => window.dpbookWidgets.model.busBandwidth(...args)",
+                             [2**24, 0.01, N]) == pytest.approx(
+            costmodel.bus_bandwidth(2**24, 0.01, N))
+
+    data = _widget_data(page, "alpha-beta")
+    prose = page.locator("main").inner_text()
+    assert f"α = {data['alpha'] * 1e6:.1f} µs" in prose
+    assert f"1/β = {1 / data['beta'] / 1e9:.2f} GB/s" in prose
+    widget = page.locator('.dpbook-widget[data-widget="alpha-beta"] .dpbook-widget-live')
+    preset = widget.locator('select[data-role="preset"]')
+    assert preset.input_value() == "machine"
+    assert float(widget.get_attribute("data-alpha")) == data["alpha"]
+    assert float(widget.get_attribute("data-beta")) == data["beta"]
+    preset.select_option("NVLink (H100, 18 links)")            # a link's β, the reader's α
+    assert float(widget.get_attribute("data-beta")) == pytest.approx(1 / 450e9)
+    assert float(widget.get_attribute("data-alpha")) == data["alpha"]
+    widget.locator('input[data-role="devices"]').fill("8")
+    widget.locator('input[data-role="size"]').fill("20")
+    shown = widget.locator('tr[data-algorithm="ring"] td[data-seconds]').get_attribute(
+        "data-seconds")
+    assert float(shown) == pytest.approx(costmodel.predict("ring", 2**20, 8, data["alpha"],
+                                                           1 / 450e9))
+    preset.select_option("machine")
+    assert float(widget.get_attribute("data-beta")) == data["beta"]
+
+
+@pytest.mark.parametrize("lang", list(WIDGET_PAGES))
+def test_ring_replay_ends_with_every_rank_holding_the_sum(server, page, lang):
+    """Step through the recorded run with the buttons, then back and forth with the
+    keyboard; at the end every rank's row is the final tensor the trace recorded, which is
+    the sum of the initial ones."""
+    _open(page, server, WIDGET_PAGES[lang])
+    trace = _widget_data(page, "ring-replay")
+    total = [sum(values) for values in zip(*(r["initial"] for r in trace["ranks"]))]
+    assert all(r["final"] == total for r in trace["ranks"])
+    widget = page.locator('.dpbook-widget[data-widget="ring-replay"] .dpbook-widget-live')
+    rounds = int(widget.get_attribute("data-frames"))
+    assert rounds == 2 * (trace["processes"] - 1)
+    forward = widget.locator('button[data-role="forward"]')
+    for _ in range(rounds):
+        forward.click()
+    assert forward.is_disabled() and widget.get_attribute("data-frame") == str(rounds)
+    rows = widget.locator('table[data-role="states"] tbody tr')
+    assert rows.count() == trace["processes"]
+    for rank in range(trace["processes"]):
+        cells = rows.nth(rank).locator("td").evaluate_all(
+            "tds => tds.map(td => JSON.parse(td.dataset.values))")
+        assert [v for chunk in cells for v in chunk] == trace["ranks"][rank]["final"]
+    status = widget.locator(".dpbook-widget-status").inner_text()
+    assert ("每个进程都得到了总和" if lang == "zh" else "every rank holds the sum") in status
+    widget.focus()
+    page.keyboard.press("ArrowLeft")
+    assert widget.get_attribute("data-frame") == str(rounds - 1)
+    page.keyboard.press("ArrowRight")
+    assert widget.get_attribute("data-frame") == str(rounds)
+
+
+def test_widgets_fall_back_to_tables_without_javascript(server, browser):
+    context = browser.new_context(java_script_enabled=False)
+    try:
+        page = context.new_page()
+        page.goto(server + WIDGET_PAGES["zh"], wait_until="load")
+        fallbacks = page.locator(".dpbook-widget-fallback table")
+        assert fallbacks.count() == 2 and fallbacks.first.is_visible()
+        assert "JavaScript未启用" in page.locator(".dpbook-widget-fallback").first.inner_text()
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("lang", list(WIDGET_PAGES))
+def test_timeline_zooms_and_names_its_blocks(server, page, lang):
+    """The DDP timeline of the inside-DDP chapter: every lane of the profiled run drawn,
+    zoom with the buttons and the keyboard, a tooltip on every block."""
+    path = {"en": "chapters/en/inside-ddp/timeline.html",
+            "zh": "zh/chapters/zh/inside-ddp/timeline.html"}[lang]
+    _open(page, server, path)
+    root = page.locator('.dpbook-widget[data-widget="timeline"]')
+    root.locator(".dpbook-widget-live").wait_for()
+    data = _widget_data(page, "timeline")
+    widget = root.locator(".dpbook-widget-live")
+    blocks = sum(len(spans) for lanes in data.values() for spans in lanes.values())
+    assert widget.locator("rect title").count() == blocks
+    assert widget.locator("g[data-lane] rect").count() == blocks
+    end = max(s + d for lanes in data.values() for spans in lanes.values() for s, d in spans)
+    assert float(widget.get_attribute("data-to")) == pytest.approx(end)
+    widget.locator('button[data-role="zoom-in"]').click()
+    assert float(widget.get_attribute("data-to")) - float(widget.get_attribute("data-from")) \
+        == pytest.approx(end / 2)
+    assert float(widget.get_attribute("data-from")) == pytest.approx(end / 4)  # the middle
+    widget.focus()
+    page.keyboard.press("ArrowRight")                     # a quarter of the view onwards
+    assert float(widget.get_attribute("data-from")) == pytest.approx(3 * end / 8)
+    page.keyboard.press("-")
+    assert float(widget.get_attribute("data-from")) == 0
+    assert float(widget.get_attribute("data-to")) == pytest.approx(end)
+    title = widget.locator("rect title").first.text_content()
+    assert ("开始" in title) if lang == "zh" else ("lasts" in title), title
+    root.scroll_into_view_if_needed()
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    root.screenshot(path=str(SCREENSHOTS / f"{lang}-widget-timeline.png"))

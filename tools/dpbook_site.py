@@ -8,17 +8,30 @@ On every page it adds a bar with
   (``tools/notebooks.py``), and the provenance of the page's outputs — the scale, devices
   and hardware named by the hardware lines the notebook printed when it ran.
 
-It also provides the ``dpbook-glossary`` directive, which renders ``glossary.yml``.
+It also provides the ``dpbook-glossary`` directive, which renders ``glossary.yml``, and
+the ``dpbook-widget`` directive, which places an interactive widget
+(``static/dpbook-widgets.js``) fed by a value the page's notebook glued::
+
+    ```{dpbook-widget} ring-replay
+    :data: allreduce_ring_trace
+    ```
+
+The data (JSON text, glued by a code cell of the same page) is embedded in the page, so
+the widget works from any server or from disk, with nothing fetched; without JavaScript
+the reader sees a static table of the same data instead.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import html
+import json
 import re
 from pathlib import Path
 
 import yaml
 from docutils import nodes
+from docutils.parsers.rst import directives
 from docutils.statemachine import StringList
 from sphinx.util.docutils import SphinxDirective
 
@@ -139,17 +152,106 @@ class GlossaryDirective(SphinxDirective):
         return [container]
 
 
+WIDGET_TEXT = {
+    "en": {"noscript": "JavaScript is off: the interactive widget is replaced by this table.",
+           "size": "message size", "rank": "rank", "initial": "values before",
+           "final": "values after", "messages": "messages sent",
+           "model": "α–β model, separate links, {n} processes, α = {alpha:.1f} µs, "
+                    "1/β = {gbs:.2f} GB/s (this machine's fit)",
+           "timeline": ["backward functions", "allreduces", "backward ends (ms)",
+                        "allreduce time (ms)"]},
+    "zh": {"noscript": "JavaScript未启用：交互式组件由这张表代替。",
+           "size": "消息大小", "rank": "进程", "initial": "全归约前的值", "final": "全归约后的值",
+           "messages": "发送的消息数",
+           "model": "α–β模型，独立链路，{n}个进程，α = {alpha:.1f} µs，"
+                    "1/β = {gbs:.2f} GB/s（本机的拟合值）",
+           "timeline": ["反向函数个数", "全归约次数", "反向传播结束时刻（ms）",
+                        "全归约总时间（ms）"]},
+}
+
+
+def _table(header: list[str], rows: list[list[str]], caption: str) -> str:
+    cells = lambda tag, row: "".join(f"<{tag}>{html.escape(str(c))}</{tag}>" for c in row)
+    return (f'<table class="dpbook-widget-table"><caption>{html.escape(caption)}</caption>'
+            f"<thead><tr>{cells('th', header)}</tr></thead><tbody>"
+            + "".join(f"<tr>{cells('td', r)}</tr>" for r in rows) + "</tbody></table>")
+
+
+def _alpha_beta_fallback(data: dict, t: dict) -> str:
+    from dpbook import costmodel
+    n, alpha, beta = data["processes"], data["alpha"], data["beta"]
+    sizes = [2**10, 2**20, 2**26]
+    rows = [[f"{size >> 10:,} KB" if size < 2**20 else f"{size >> 20} MB"]
+            + [f"{costmodel.predict(a, size, n, alpha, beta) * 1e3:.3g} ms"
+               for a in costmodel.ALGORITHMS] for size in sizes]
+    return _table([t["size"], *costmodel.ALGORITHMS], rows,
+                  t["model"].format(n=n, alpha=alpha * 1e6, gbs=1 / beta / 1e9))
+
+
+def _ring_replay_fallback(data: dict, t: dict) -> str:
+    fmt = lambda values: " ".join(f"{v:g}" for v in values)
+    rows = [[r["rank"], fmt(r["initial"]), fmt(r["final"]),
+             sum(e["kind"] in ("send", "isend") for e in r["events"])] for r in data["ranks"]]
+    return _table([t["rank"], t["initial"], t["final"], t["messages"]], rows,
+                  f"{data['algorithm']} allreduce, {data['processes']} processes")
+
+
+def _timeline_fallback(data: dict, t: dict) -> str:
+    rows = [[name, len(lanes["backward"]), len(lanes["allreduce"]),
+             f"{max(s + d for s, d in lanes['backward']):.1f}",
+             f"{sum(d for _, d in lanes['allreduce']):.1f}"] for name, lanes in data.items()]
+    return _table(["", *t["timeline"]], rows, "")
+
+
+#: widget name → the static HTML shown instead when JavaScript is off
+WIDGETS = {"alpha-beta": _alpha_beta_fallback, "ring-replay": _ring_replay_fallback,
+           "timeline": _timeline_fallback}
+
+
+class WidgetDirective(SphinxDirective):
+    """``dpbook-widget <name>`` with ``:data: <glue key>``: an interactive widget of
+    ``static/dpbook-widgets.js`` fed by the JSON text the page's notebook glued under
+    that key, in the edition's language, with a static fallback."""
+
+    required_arguments = 1
+    option_spec = {"data": directives.unchanged_required}
+
+    def run(self):
+        from myst_nb.ext.glue.utils import retrieve_glue_data
+        name, key = self.arguments[0], self.options.get("data")
+        if name not in WIDGETS:
+            raise self.error(f"unknown widget {name!r}: choose one of {', '.join(WIDGETS)}")
+        if not key:
+            raise self.error(f"dpbook-widget {name}: give the glued data as ':data: <key>'")
+        try:
+            glued = retrieve_glue_data(self.state.document, key)
+            data = json.loads(ast.literal_eval(glued.data["text/plain"]))
+        except Exception as e:  # noqa: BLE001 - say which widget and key, then stop
+            raise self.error(f"dpbook-widget {name}: no JSON glued as {key!r} on this page "
+                             f"({type(e).__name__}: {e})")
+        lang = edition(self.env.app)
+        payload = json.dumps(data, ensure_ascii=False).replace("</", "<\\/")
+        html_text = (f'<div class="dpbook-widget" data-widget="{name}" data-lang="{lang}">'
+                     f'<script type="application/json">{payload}</script>'
+                     f'<div class="dpbook-widget-fallback"><p>{WIDGET_TEXT[lang]["noscript"]}</p>'
+                     f'{WIDGETS[name](data, WIDGET_TEXT[lang])}</div></div>')
+        return [nodes.raw("", html_text, format="html")]
+
+
 def setup(app):
     app.connect("builder-inited", on_builder_inited)
     app.connect("html-page-context", on_page_context)
     app.connect("build-finished", on_build_finished)
     app.add_directive("dpbook-glossary", GlossaryDirective)
+    app.add_directive("dpbook-widget", WidgetDirective)
     app.config.html_static_path.append(str(Path(__file__).parent / "static"))
     app.add_css_file("dpbook-site.css")
+    app.add_js_file("dpbook-widgets.js", defer="defer")     # a classic script: works from disk
     # Sphinx rebuilds every page when env_version changes: make it change with this code.
     here = Path(__file__).parent
     digest = hashlib.sha256(b"".join(
         p.read_bytes() for p in (here / "dpbook_site.py", here / "notebooks.py",
-                                 here / "static" / "dpbook-site.css")))
+                                 here / "static" / "dpbook-site.css",
+                                 here / "static" / "dpbook-widgets.js")))
     return {"version": "1.0", "env_version": int(digest.hexdigest()[:8], 16),
             "parallel_read_safe": True, "parallel_write_safe": True}

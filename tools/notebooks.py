@@ -215,7 +215,9 @@ def paste(values: dict[str, str], key: str, spec: str | None) -> str:
 #: notebook says so instead (the cell above it holds the same data).
 WIDGET_TITLES = {"alpha-beta": {"en": "an α–β calculator", "zh": "α–β计算器"},
                  "ring-replay": {"en": "a replay of the ring allreduce recorded above",
-                                 "zh": "上面记录的环形全归约的回放"}}
+                                 "zh": "上面记录的那次环形全归约的回放"},
+                 "timeline": {"en": "the timelines above, to zoom into and hover",
+                              "zh": "上面那些泳道的交互版本：可以缩放，把鼠标停在色块上能看到时间"}}
 WIDGET_NOTE = {"en": "> *On the book's website, this place holds {}.*",
                "zh": "> *在本书的网站上，这里是{}。*"}
 

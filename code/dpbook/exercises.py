@@ -3,9 +3,9 @@ and print either a pass or the smallest failing case with a hint. Framework-free
 
 A check is a list of cases, smallest first, and a function that runs the reader's code on
 one case and returns ``None`` (right) or a :class:`Failure`: the key of a hint and what was
-seen. The hints are data, one text per language (:data:`HINTS`); the framework parts
-(:mod:`dpbook.torch.exercises`, :mod:`dpbook.jax.exercises`) add theirs. A hint says what
-is wrong and where to look, never the solution.
+seen. The hints of every check, the framework parts' included (:mod:`dpbook.torch.exercises`,
+:mod:`dpbook.jax.exercises`), are data: ``hints.yml``, one text per language
+(:data:`HINTS`). A hint says what is wrong and where to look, never the solution.
 
 The language is ``$DPBOOK_LANG`` (``en`` or ``zh``); the notebooks that
 ``tools/notebooks.py`` writes set it in their first cell, so the same code cells answer in
@@ -43,47 +43,14 @@ class Failure:
     seen: str = ""
 
 
-#: Hints shared by the checks; the framework modules add theirs to this dict.
-HINTS: dict[str, dict[str, str]] = {
-    "exception": {
-        "en": "your function raised an exception on this case (shown above the hint)",
-        "zh": "你的函数在这个用例上抛出了异常（见提示上方）"},
-    "split-sizes-total": {
-        "en": "the sizes must add up to n: every example goes to some device, none twice",
-        "zh": "各份大小之和必须等于n：每个样本都要分给某个设备，且只分一次"},
-    "split-sizes-even": {
-        "en": "without weights, two sizes may differ by at most 1: give the remainder "
-              "n mod k to some devices, one example each",
-        "zh": "不给权重时，任意两份的大小最多相差1："
-              "把余数n mod k分给其中几个设备，每个多分一个样本"},
-    "split-sizes-weights": {
-        "en": "with weights, every device gets one example and the other n - k are shared in "
-              "proportion: each size within 1 of 1 + (n - k) × weight / sum(weights)",
-        "zh": "给了权重时，每个设备先分到一个样本，其余n - k个按权重的比例分配：每一份的大小与"
-              "1 + (n - k) × 权重 / 权重之和的差小于1"},
-    "split-sizes-count": {
-        "en": "return one size per device: a list of k sizes",
-        "zh": "每个设备对应一个大小：返回由k个大小组成的列表"},
-    "pad-shape": {
-        "en": "every device runs the same program, so every block has m = max(sizes) rows: "
-              "X and y must have N × m rows and the mask N × m entries",
-        "zh": "每个设备运行同一个程序，所以每一块都有m = max(sizes)行："
-              "X和y必须有N × m行，掩码有N × m个元素"},
-    "pad-rows": {
-        "en": "block i (rows i × m to (i + 1) × m - 1) must start with device i's "
-              "sizes[i] examples, in order, then padding: pad each block, not the batch's end",
-        "zh": "第i块（第i × m行到第(i + 1) × m - 1行）开头必须按顺序放设备i的sizes[i]个样本，"
-              "后面才是填充：要填充每一块，而不是整个批量的末尾"},
-    "pad-mask": {
-        "en": "the mask must be 1.0 for a real example and 0.0 for a padding row (float32: "
-              "the loss multiplies by it and divides by its sum)",
-        "zh": "掩码对真实样本为1.0，对填充行为0.0（float32：损失要乘以它，再除以它的和）"},
-    "pad-zeros": {
-        "en": "the padding rows must be zeros, a valid input: the masked loss multiplies them "
-              "by 0, and 0 × NaN or 0 × inf would still spoil the sum",
-        "zh": "填充行必须是零，也就是合法的输入：带掩码的损失会把它们乘以0，"
-              "而0 × NaN或0 × inf仍会破坏求和"},
-}
+def _load_hints() -> dict[str, dict[str, str]]:
+    import yaml
+    from importlib.resources import files
+    return yaml.safe_load(files(__package__).joinpath("hints.yml").read_text(encoding="utf8"))
+
+
+#: Every check's hints, key → language → text: data in ``hints.yml`` beside this module.
+HINTS: dict[str, dict[str, str]] = _load_hints()
 
 #: The lines around a hint, per language.
 MESSAGES = {

@@ -13,75 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from ..exercises import HINTS, Failure, check_pad_batch, run_check
+from ..exercises import Failure, check_pad_batch, run_check
 from .state import AXIS, make_mesh
 
 __all__ = ["check_allreduce", "check_ring_allreduce", "check_shard_map_grads",
            "check_scan_accumulation", "check_pad_batch"]
-
-HINTS.update({
-    "jax-allreduce-count": {
-        "en": "return one array per device, in the order of the inputs",
-        "zh": "每个设备返回一个数组，顺序与输入相同"},
-    "jax-allreduce-device": {
-        "en": "result i must live on the device of data[i] (jax.device_put)",
-        "zh": "第i个结果必须放在data[i]所在的设备上（jax.device_put）"},
-    "jax-allreduce-sum": {
-        "en": "every result must be the sum of the arrays of *all* devices, not a partial sum",
-        "zh": "每个结果都必须是*所有*设备上数组之和，而不是部分和"},
-    "ring-sum": {
-        "en": "after the ring, every device must hold the sum over all devices. With N "
-              "devices a ring needs N - 1 steps to reduce and N - 1 more to gather; a version "
-              "that works for 2 devices often does only one of each",
-        "zh": "环形传递结束后，每个设备都必须持有所有设备上的总和。N个设备的环需要N - 1步归约，"
-              "再需要N - 1步收集；只对2个设备正确的写法，往往各只做了一步"},
-    "ring-shape": {
-        "en": "return an array of the input's shape and dtype: pad to a multiple of N to cut "
-              "it into chunks, and drop the padding at the end",
-        "zh": "返回的数组必须与输入的形状和数据类型相同："
-              "切块前先填充到N的倍数，最后再去掉填充"},
-    "ring-permute": {
-        "en": "lax.ppermute's perm must send every device's chunk to exactly one neighbour: "
-              "pairs (j, (j + 1) % N) for all j",
-        "zh": "lax.ppermute的perm必须把每个设备的块恰好发给一个邻居："
-              "对所有j取(j, (j + 1) % N)"},
-    "grads-times-n": {
-        "en": "the gradient is N times the one-device gradient. Under shard_map (check_vma "
-              "on, the default), the gradient with respect to parameters that are the same "
-              "on every device comes back already summed over the devices; look at "
-              "lax.pcast and at what your collective does to a sum",
-        "zh": "梯度是单设备梯度的N倍。在shard_map中（默认开启check_vma），"
-              "对各设备上都相同的参数求梯度，得到的已经是各设备之和；"
-              "看看lax.pcast，再想想你的集合通信对一个和做了什么"},
-    "grads-varying": {
-        "en": "the gradients still differ from device to device, so they cannot come back "
-              "as one replicated value (out_specs P()): average them over the axis",
-        "zh": "梯度在各设备上仍然各不相同，无法作为同一个复制的值返回"
-              "（out_specs P()）：要在这个轴上对它们求平均"},
-    "grads-value": {
-        "en": "the result must equal jax.grad of the mean loss over the whole batch, "
-              "computed on one device",
-        "zh": "结果必须等于在一个设备上对整个批量的平均损失求jax.grad"},
-    "scan-scale": {
-        "en": "the gradient is k times too large: each micro-batch's loss is a mean over its "
-              "examples, so the sum of k micro-batch gradients must be divided by k",
-        "zh": "梯度大了k倍：每个微批量的损失是它自己样本上的平均值，"
-              "所以k个微批量梯度之和还要除以k"},
-    "scan-last": {
-        "en": "only one micro-batch's gradient is left: the carry of lax.scan must add each "
-              "micro-batch's gradient to the running total, not replace it",
-        "zh": "只剩下一个微批量的梯度：lax.scan的carry要把每个微批量的梯度加到累计值上，"
-              "而不是替换它"},
-    "scan-loss": {
-        "en": "the loss must be the mean loss over the whole batch (with equal "
-              "micro-batches: the mean of their mean losses)",
-        "zh": "损失必须是整个批量上的平均损失（微批量大小相同时，就是各微批量平均损失的平均值）"},
-    "scan-unrolled": {
-        "en": "the program holds k copies of the micro-step (a Python loop is unrolled when "
-              "traced): loop with lax.scan, so the compiled program has one copy, whatever k",
-        "zh": "程序里有k份微批量计算的副本（追踪时Python循环会被展开）："
-              "用lax.scan循环，编译出的程序就只有一份，与k无关"},
-})
 
 
 def check_allreduce(fn: Callable[[list[jax.Array]], Sequence[jax.Array]], quiet: bool = False
