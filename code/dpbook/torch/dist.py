@@ -39,12 +39,16 @@ __all__ = ["free_port", "spawn", "run", "read_json", "init_process", "process_gr
            "slowest_seconds", "LAUNCHER_VARIABLES", "rank_from_env", "torchrun_command"]
 
 
-def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300) -> None:
+def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300,
+          start_method: str = "spawn") -> None:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` new processes and wait for all of them.
 
     Picks a free port for the rendezvous on 127.0.0.1 (``MASTER_ADDR``/``MASTER_PORT``,
     inherited by the children only). Raises the first child's error, or ``TimeoutError``
-    after ``timeout`` seconds; either way no child is left running.
+    after ``timeout`` seconds; either way no child is left running. ``start_method`` is
+    multiprocessing's: ``spawn`` starts fresh interpreters (each imports torch anew),
+    ``forkserver`` forks them from a server that imported what
+    ``multiprocessing.set_forkserver_preload`` named, once.
     """
     if nprocs < 1:
         raise ValueError(f"need at least one process, got {nprocs}")
@@ -52,7 +56,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
         context = mp.start_processes(fn, args=(nprocs, *args), nprocs=nprocs, join=False,
-                                     start_method="spawn")
+                                     start_method=start_method)
     finally:
         for k, v in saved.items():
             if v is None:

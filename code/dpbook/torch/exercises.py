@@ -8,7 +8,8 @@ or bidirectional) run by 2, 3 and 4 gloo processes at once (:func:`check_ring_al
 Every check takes seconds on a laptop's CPU."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -437,6 +438,26 @@ def _ring_worker(rank: int, nprocs: int, payload: bytes, worlds: Sequence[int],
         store.wait([f"exit/{r}" for r in range(nprocs)], datetime.timedelta(seconds=60))
 
 
+@contextlib.contextmanager
+def _forkserver() -> Iterator[str]:
+    """The start method for the check's processes: ``forkserver`` where there is one (a
+    server imports torch once and forks the 4 processes: about 1 s, where ``spawn``
+    imports torch 4 times, about 5 s), stopped afterwards so that no process stays
+    behind; else ``spawn``."""
+    import multiprocessing
+    import multiprocessing.forkserver
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        yield "spawn"
+        return
+    multiprocessing.set_forkserver_preload([__name__])      # this module imports torch
+    try:
+        yield "forkserver"
+    finally:
+        server = multiprocessing.forkserver._forkserver
+        if hasattr(server, "_stop"):        # not public: CPython's own tests use it
+            server._stop()
+
+
 def check_ring_allreduce(fn: Callable[[torch.Tensor], object], bidirectional: bool = False,
                          quiet: bool = False, timeout: float = 10.0) -> Failure | None:
     """Check ``fn(x)``, called by every process of a gloo group on its own 1-D float32
@@ -446,7 +467,8 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], object], bidirectional: bo
     the tensor in all (the ring's bandwidth); and with ``bidirectional=True``, as many
     values to the left as to the right (N ≥ 3). A pipelined ring passes too.
 
-    2, 3 and 4 processes (started once, :func:`dpbook.torch.dist.spawn`), sizes from 1
+    2, 3 and 4 processes (started once, :func:`dpbook.torch.dist.spawn`, from a fork
+    server where there is one), sizes from 1
     value (fewer than processes: empty chunks) to 1,200. ``fn`` may be defined in the
     notebook: it reaches the processes by value (cloudpickle). A process that waits
     longer than ``timeout`` seconds for a message gives up, so a deadlock fails the check
@@ -461,11 +483,11 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], object], bidirectional: bo
     results: dict = {}
 
     def launch():
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, _forkserver() as method:
             out = os.path.join(tmp, "out")
             try:
                 spawn(_ring_worker, max(worlds), cloudpickle.dumps(fn), worlds, sizes,
-                      timeout, out, timeout=60 + 12 * timeout)
+                      timeout, out, timeout=60 + 12 * timeout, start_method=method)
             finally:                                    # read what was written, whatever
                 for rank in range(max(worlds)):
                     if os.path.exists(f"{out}.{rank}"):
