@@ -419,9 +419,37 @@ def blocking_ring(x):                # both neighbours send first, with blocking
     return x
 
 
+def pipelined_ring(x, segments=3):  # exercise 2: each chunk in segments, added as they come
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if n == 1:
+        return x
+    chunks = torch.tensor_split(x, n)
+    for gather in (False, True):
+        for step in range(n - 1):
+            send = chunks[(rank + gather - step) % n]
+            mine = chunks[(rank - step - (0 if gather else 1)) % n]
+            pairs = list(zip(torch.tensor_split(send, segments),
+                             torch.tensor_split(mine, segments)))
+            sends = [dist.isend(s, (rank + 1) % n, tag=k) for k, (s, _) in enumerate(pairs)
+                     if s.numel()]
+            receives = []
+            for k, (_, m) in enumerate(pairs):
+                buffer = m if gather else torch.empty_like(m)
+                if buffer.numel():
+                    receives.append((dist.irecv(buffer, (rank - 1) % n, tag=k), m, buffer))
+            for request, m, buffer in receives:      # add each segment as soon as it is in
+                request.wait()
+                if not gather:
+                    m += buffer
+            for request in sends:
+                request.wait()
+    return x
+
+
 PROCESS_CASES = [
     (torch_allreduce.ring_allreduce, False, None),
     (torch_allreduce.bidirectional_ring_allreduce, True, None),
+    (pipelined_ring, False, None),
     (torch_allreduce.ring_allreduce, True, "ring-process-both-ways"),
     (two_process_ring, False, "ring-process-sum"),
     (torch_allreduce.tree_allreduce, False, "ring-process-bytes"),
@@ -429,8 +457,9 @@ PROCESS_CASES = [
 
 
 def test_ring_over_processes_tells_right_from_wrong():
-    """2, 3 and 4 gloo processes: the package's ring and bidirectional ring pass; the plain
-    ring fails the bidirectional check, and three wrong rings fail with their hints."""
+    """2, 3 and 4 gloo processes: the package's ring and bidirectional ring and a pipelined
+    ring pass; the plain ring fails the bidirectional check, and wrong rings fail with
+    their hints."""
     for fn, bidirectional, hint in PROCESS_CASES:
         failure = torch_exercises.check_ring_allreduce(fn, bidirectional=bidirectional,
                                                        quiet=True)

@@ -256,8 +256,12 @@ def test_ring_replay_ends_with_every_rank_holding_the_sum(server, page, lang):
     rounds = int(widget.get_attribute("data-frames"))
     assert rounds == 2 * (trace["processes"] - 1)
     forward = widget.locator('button[data-role="forward"]')
-    for _ in range(rounds):
+    for k in range(rounds):
         forward.click()
+        if k == 1:                            # mid-way: chunks on the move, sums growing
+            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            widget.scroll_into_view_if_needed()
+            widget.screenshot(path=str(SCREENSHOTS / f"{lang}-widget-ring-replay-round2.png"))
     assert forward.is_disabled() and widget.get_attribute("data-frame") == str(rounds)
     rows = widget.locator('table[data-role="states"] tbody tr')
     assert rows.count() == trace["processes"]

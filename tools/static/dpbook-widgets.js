@@ -209,7 +209,7 @@
         var points = sizes.map(function (n, j) { return x(n).toFixed(1) + "," + y(times[a][j]).toFixed(1); });
         el("svg:polyline", { points: points.join(" "), fill: "none", stroke: COLORS[a],
                              "stroke-width": 2, "data-algorithm": a }, svg);
-        el("svg:text", { x: left + 8, y: top + 14 + 14 * i, fill: COLORS[a] }, svg, a);
+        el("svg:text", { x: left + 8, y: top + 14 + 14 * i, style: "fill: " + COLORS[a] }, svg, a);
       });
       var cross = state.N > 1 ? crossover(state.N, state.alpha, state.beta) : null;
       if (cross !== null && cross >= Math.pow(2, xmin) && cross <= Math.pow(2, xmax)) {
@@ -288,7 +288,7 @@
     var frames = framesOf(trace), N = trace.processes, current = 0, timer = null, speed = 1;
     root.setAttribute("tabindex", "0");
     var controls = el("div", { "class": "dpbook-widget-controls" }, root);
-    var reset = el("button", { type: "button", "data-role": "reset", title: t.reset }, controls, "⏮");
+    var reset = el("button", { type: "button", "data-role": "reset", title: t.reset }, controls, "|◀");
     var back = el("button", { type: "button", "data-role": "back", title: t.back }, controls, "◀");
     var play = el("button", { type: "button", "data-role": "play", title: t.play }, controls, "▶");
     var forward = el("button", { type: "button", "data-role": "forward", title: t.forward }, controls, "▶|");
@@ -300,8 +300,9 @@
     el("span", { "class": "dpbook-widget-keys" }, controls, t.keys);
     [reset, back, play, forward].forEach(function (b) { b.setAttribute("aria-label", b.title); });
     var status = el("p", { "class": "dpbook-widget-status", "aria-live": "polite" }, root);
-    var svg = el("svg:svg", { viewBox: "0 0 640 300", role: "img", "class": "dpbook-ring" }, root);
-    var table = el("table", { "class": "dpbook-widget-table", "data-role": "states" }, root);
+    var stage = el("div", { "class": "dpbook-widget-stage" }, root);
+    var svg = el("svg:svg", { viewBox: "0 0 300 300", role: "img", "class": "dpbook-ring" }, stage);
+    var table = el("table", { "class": "dpbook-widget-table", "data-role": "states" }, stage);
 
     var cx = 150, cy = 150, radius = 105;
     function position(rank) {
@@ -427,7 +428,8 @@
       while (svg.firstChild) { svg.removeChild(svg.firstChild); }
       var span = view.to - view.from;
       var x = function (ms) { return left + (ms - view.from) / span * (W - left - right); };
-      var step = Math.pow(10, Math.floor(Math.log10(span / 4)));
+      var step = Math.pow(10, Math.floor(Math.log10(span / 8)));     // 1, 2 or 5 × 10^k:
+      step *= span / step > 40 ? 5 : span / step > 16 ? 2 : 1;        // at most 8 ticks
       for (var tick = Math.ceil(view.from / step) * step; tick <= view.to; tick += step) {
         el("svg:line", { x1: x(tick), x2: x(tick), y1: top, y2: H - 30, "class": "dpbook-grid" }, svg);
         el("svg:text", { x: x(tick), y: H - 16, "text-anchor": "middle" }, svg,
