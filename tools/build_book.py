@@ -63,9 +63,10 @@ def fill_cache(out: Path, scale: str, executed: dict) -> Path:
     return cache
 
 
-def build_edition(lang: str, scale: str, out: Path, cache: Path,
-                  warnings_as_errors: bool) -> Path:
-    """``jb build`` one edition into ``<out>/<lang>/``; return its HTML folder."""
+def start_edition(lang: str, scale: str, out: Path, cache: Path,
+                  warnings_as_errors: bool) -> tuple[subprocess.Popen, Path, Path]:
+    """Start ``jb build`` of one edition into ``<out>/<lang>/``, its output going to
+    ``<out>/<lang>.log``; return the process, the log and the HTML folder."""
     config_name, toc_name = EDITIONS[lang]
     config = yaml.safe_load((ROOT / config_name).read_text(encoding="utf8"))
     config["execute"]["cache"] = str(cache)
@@ -83,9 +84,29 @@ def build_edition(lang: str, scale: str, out: Path, cache: Path,
     if warnings_as_errors:
         cmd += ["-W", "-n", "--keep-going"]
     env = dict(os.environ, DPBOOK_SCALE=scale)
-    print(f"[build_book] {lang}: scale={scale}", flush=True)
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-    return dest / "_build" / "html"
+    print(f"[build_book] {lang}: scale={scale}, building (log: {out / lang}.log)", flush=True)
+    log = out / f"{lang}.log"
+    with open(log, "w", encoding="utf8") as f:
+        process = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    return process, log, dest / "_build" / "html"
+
+
+def build_editions(langs: list[str], scale: str, out: Path, cache: Path,
+                   warnings_as_errors: bool) -> dict[str, Path]:
+    """Build the editions at the same time (Sphinx uses one core each; jb executes
+    nothing, the runs come from the cache), then show each one's log in turn; raise if
+    one failed. Returns each edition's HTML folder."""
+    started = {lang: start_edition(lang, scale, out, cache, warnings_as_errors)
+               for lang in langs}
+    failed = []
+    for lang, (process, log, _) in started.items():
+        code = process.wait()
+        print(log.read_text(encoding="utf8"), end="", flush=True)
+        if code:
+            failed.append(f"{lang} (exit code {code}, log {log})")
+    if failed:
+        raise SystemExit(f"[build_book] jupyter-book failed: {', '.join(failed)}")
+    return {lang: html for lang, (_, _, html) in started.items()}
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -103,7 +124,7 @@ def main(argv: list[str] | None = None) -> Path:
     executed = runs.ensure(scale, os.environ.get("DPBOOK_EXECUTE", "auto"),
                               build=out / "outputs")
     cache = fill_cache(out, scale, executed)
-    html = {lang: build_edition(lang, scale, out, cache, args.strict) for lang in langs}
+    html = build_editions(langs, scale, out, cache, args.strict)
 
     site = out / "site"
     shutil.rmtree(site, ignore_errors=True)
