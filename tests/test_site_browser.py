@@ -203,11 +203,12 @@ def test_widgets_mount_in_the_editions_language(server, page, lang):
     assert page.locator('.dpbook-widget[data-widget="alpha-beta"] polyline').count() == 3
 
 
-def test_calculator_agrees_with_the_cost_model(server, page):
+@pytest.mark.parametrize("lang", list(WIDGET_PAGES))
+def test_calculator_agrees_with_the_cost_model(server, page, lang):
     """The page's formulas equal dpbook.costmodel's at test points, and the preset "this
     machine" holds the values the page prints from the same fit."""
     from dpbook import costmodel
-    _open(page, server, WIDGET_PAGES["en"])
+    _open(page, server, WIDGET_PAGES[lang])
     points = [(a, n, N, alpha, beta) for a in costmodel.ALGORITHMS for n in (1, 1e3, 2**20, 3e9)
               for N in (1, 2, 3, 4, 8, 1000) for alpha, beta in ((1e-5, 1e-9), (0, 3e-11), (5e-6, 0))]
     js = page.evaluate("points => points.map(p => window.dpbookWidgets.model.predict(...p))",
