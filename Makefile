@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.dpbook-installed
 PORT   ?= 8000
 
-.PHONY: book test serve env notebooks outputs clean
+.PHONY: book test test-fast test-gpu test-compat bench serve env notebooks outputs clean
 
 env: $(STAMP)
 
@@ -32,6 +32,26 @@ outputs: $(STAMP)
 
 test: $(STAMP)
 	DPBOOK_SCALE=quick $(PY) -m pytest
+
+# The edit-test loop (under 3 minutes on 2 cores): no notebooks, no book build, no process
+# groups, no timing targets.
+test-fast: $(STAMP)
+	DPBOOK_SCALE=quick $(PY) -m pytest -q -m "not notebook and not site and not multiprocess and not slow"
+
+# On a machine with GPUs: every notebook at the quick scale on them, DDP under NCCL.
+# Without a GPU every test skips, saying why.
+test-gpu: $(STAMP)
+	DPBOOK_SCALE=quick $(PY) -m pytest -q -rs tests/test_gpu.py
+
+# The notebooks under the oldest releases the book accepts and the newest the registry
+# serves, each in its own environment (tools/compat.sh; CI runs both).
+test-compat: $(STAMP)
+	bash tools/compat.sh oldest
+	bash tools/compat.sh newest
+
+# Timing targets, printed as ratios (tests marked slow).
+bench: $(STAMP)
+	DPBOOK_SCALE=quick $(PY) -m pytest -q -s --run-slow -m slow
 
 serve:
 	@test -f _build/site/index.html || { echo "no site yet: run 'make book' first"; exit 1; }

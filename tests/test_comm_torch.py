@@ -27,6 +27,7 @@ def test_every_allreduce_equals_the_true_sum(nprocs):
     assert errors == {name: 0.0 for name in allreduce.ALGORITHMS}
 
 
+@pytest.mark.slow        # a timing target: run with --run-slow (make bench)
 @pytest.mark.timeout(240)
 def test_hand_written_ring_keeps_up_with_gloo_at_16_mb():
     """The issue's speed bar: at 16 MB on 2 processes, the ring reaches >= 0.8x the bus
@@ -157,8 +158,7 @@ def _two_bit_batches():
             for _ in range(TWO_BIT["steps"])]
 
 
-def _two_bit_worker(rank, world_size, out):
-    import json
+def _two_bit_worker(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
     with process_group(rank, world_size):
         net = _several_buckets_net()
@@ -173,12 +173,8 @@ def _two_bit_worker(rank, world_size, out):
             optimizer.step()
         logged = model._get_ddp_logging_data()
         buckets = [logged["bucket_sizes"], logged["rebuilt_bucket_sizes"]]  # bytes, ", "
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump({"buckets": buckets,
-                           "params": [p.tolist() for p in net.parameters()],
-                           "residuals": [state.residuals[p].tolist() for p in net.parameters()]},
-                          f)
+        return {"buckets": buckets, "params": [p.tolist() for p in net.parameters()],
+                "residuals": [state.residuals[p].tolist() for p in net.parameters()]}
 
 
 def _two_bit_reference(world_size):
@@ -253,6 +249,7 @@ def dp_split(X, y, weights):
     return split_batch(X, y, [torch.device("cpu")] * len(weights), weights=weights)
 
 
+@pytest.mark.slow        # a timing target: run with --run-slow (make bench)
 @pytest.mark.timeout(180)
 def test_weighted_split_takes_the_same_step_and_is_faster_with_a_slow_device():
     from dpbook.torch import unequal

@@ -273,6 +273,18 @@ def test_version_parsing_and_messages():
     assert "pip install -U 'jax>=0.8.0'" in message and "\n" not in message
 
 
+def test_jax_upgrade_names_the_cuda_plugin(monkeypatch):
+    """With JAX's CUDA plugin installed, the advice upgrades the plugin too: a plain
+    `jax>=…` would leave it behind and JAX would run on the CPU."""
+    from dpbook import versions
+    plugins = {"jax-cuda12-plugin": "0.7.2"}
+    monkeypatch.setattr(versions, "installed", lambda package: plugins.get(package))
+    assert "pip install -U 'jax[cuda12]>=" in versions.too_old("jax", "0.7.2")
+    assert "pip install -U 'flax>=" in versions.too_old("flax", "0.0.1")
+    plugins.clear()
+    assert "pip install -U 'jax>=" in versions.too_old("jax", "0.7.2")
+
+
 @pytest.mark.parametrize("package, module", [("torch", "dpbook.torch"), ("jax", "dpbook.jax"),
                                              ("flax", "dpbook.jax"), ("optax", "dpbook.jax")])
 def test_importing_with_an_old_release_says_how_to_upgrade(tmp_path, package, module):

@@ -456,6 +456,7 @@ PROCESS_CASES = [
 ]
 
 
+@pytest.mark.multiprocess
 def test_ring_over_processes_tells_right_from_wrong():
     """2, 3 and 4 gloo processes: the package's ring and bidirectional ring and a pipelined
     ring pass; the plain ring fails the bidirectional check, and wrong rings fail with
@@ -467,6 +468,7 @@ def test_ring_over_processes_tells_right_from_wrong():
     assert no_children_left()
 
 
+@pytest.mark.multiprocess
 def test_ring_over_processes_reports_a_deadlock_and_cleans_up(capsys, monkeypatch):
     monkeypatch.setenv("DPBOOK_LANG", "zh")
     failure = torch_exercises.check_ring_allreduce(blocking_ring, timeout=1)
@@ -474,6 +476,7 @@ def test_ring_over_processes_reports_a_deadlock_and_cleans_up(capsys, monkeypatc
     assert no_children_left()
 
 
+@pytest.mark.multiprocess
 def test_ring_over_processes_takes_a_function_defined_in_the_notebook():
     """The reader's function lives in ``__main__`` (a notebook): it reaches the spawned
     processes by value. This one leaves the sum in a new tensor, not in x."""

@@ -78,6 +78,7 @@ def _pip_freeze() -> str:
                           capture_output=True, text=True, check=True).stdout
 
 
+@pytest.mark.notebook
 @pytest.mark.timeout(300)
 def test_generated_notebook_runs_in_a_fresh_kernel(tmp_path):
     """Downloaded into an empty folder and run top to bottom, as a reader would."""

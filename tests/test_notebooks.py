@@ -15,6 +15,8 @@ from book import ROOT, notebooks, with_outputs_of  # first: it puts tools/ on sy
 import runs  # noqa: E402  (tools/runs.py)
 from conftest import require_data
 
+pytestmark = pytest.mark.notebook     # executes notebooks (make test-fast skips them)
+
 NOTEBOOKS = notebooks("en") + notebooks("zh")
 
 

@@ -12,6 +12,8 @@ from torch.nn.utils import parameters_to_vector
 from helpers import live_children, no_children_left
 from dpbook.torch import ps
 
+pytestmark = pytest.mark.multiprocess     # every test leaves no process behind
+
 NUM_TRAIN, NUM_TEST = 1024, 256
 SYNC = ps.PSConfig("sync", num_grads=12, batch_size=32, lr=0.1, num_hiddens=32)
 ASYNC = ps.PSConfig("async", num_grads=30, batch_size=32, lr=0.1, num_hiddens=32)

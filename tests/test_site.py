@@ -11,11 +11,14 @@ from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+import pytest
 import yaml
 
 from book import ROOT, is_notebook, source, toc_files
 
 import notebooks  # noqa: E402  (tools/notebooks.py, on sys.path through book.py)
+
+pytestmark = pytest.mark.site     # builds or reads the site (make test-fast skips it)
 
 PREFIX = {"en": "", "zh": "zh/"}
 

@@ -23,6 +23,8 @@ import pytest
 from book import ROOT
 from helpers import serve_folder
 
+pytestmark = pytest.mark.site     # a browser on the built site (make test-fast skips it)
+
 SCREENSHOTS = ROOT / "_build" / "screenshots"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu",
                   "--disable-background-networking", "--disable-component-update",

@@ -29,12 +29,17 @@ _counter = itertools.count(1)
 
 
 def in_notebook() -> bool:
-    """True inside a Jupyter kernel (also when nbclient executes a notebook for the book)."""
+    """True inside a Jupyter kernel: the shell is a ``ZMQInteractiveShell`` or a subclass
+    of it (Colab's ``google.colab._shell.Shell`` is one), also when nbclient executes a
+    notebook for the book. False in a terminal IPython and in scripts."""
     if "IPython" not in sys.modules:
         return False
     from IPython import get_ipython
-    shell = get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    try:
+        from ipykernel.zmqshell import ZMQInteractiveShell
+    except ImportError:                  # no kernel package: not a notebook
+        return False
+    return isinstance(get_ipython(), ZMQInteractiveShell)
 
 
 class Animator:

@@ -20,7 +20,8 @@ import importlib.metadata
 import os
 import re
 
-__all__ = ["MINIMUM", "VersionError", "parse", "installed", "too_old", "require"]
+__all__ = ["MINIMUM", "VersionError", "parse", "installed", "too_old", "upgrade_spec",
+           "require"]
 
 #: package → (oldest release, what older ones lack)
 MINIMUM: dict[str, tuple[str, str]] = {
@@ -65,7 +66,20 @@ def too_old(package: str, version: str | None = None) -> str | None:
     if version is None or parse(version) >= parse(oldest):
         return None
     return (f"dpbook needs {package} >= {oldest} (this is {version}; older releases lack "
-            f"{reason}): pip install -U '{package}>={oldest}' and restart the kernel")
+            f"{reason}): pip install -U '{upgrade_spec(package, oldest)}' and restart the "
+            "kernel")
+
+
+def upgrade_spec(package: str, oldest: str) -> str:
+    """What to ``pip install -U``: for jax on a machine with JAX's CUDA plugin
+    (``jax-cuda12-plugin``, ``jax-cuda13-plugin``), ``jax[cuda12]>=…``, which upgrades the
+    plugin with jax. A plain ``jax>=…`` would leave the old plugin behind, and jax would
+    then run on the CPU."""
+    if package == "jax":
+        for cuda in ("cuda13", "cuda12"):
+            if installed(f"jax-{cuda}-plugin") is not None:
+                return f"jax[{cuda}]>={oldest}"
+    return f"{package}>={oldest}"
 
 
 def require(*packages: str) -> None:

@@ -7,7 +7,7 @@ import jax
 
 from .. import config, devices as _core, tools
 
-__all__ = ["try_gpu", "try_all_gpus", "get_devices", "synchronize", "Timer", "get_scale", "hardware_line", "split_batch"]
+__all__ = ["try_gpu", "try_all_gpus", "get_devices", "devices_note", "synchronize", "Timer", "get_scale", "hardware_line", "split_batch"]
 
 
 def _gpus() -> list[jax.Device]:
@@ -26,21 +26,36 @@ def try_all_gpus() -> list[jax.Device]:
 
 
 def get_devices(n: int | None = None) -> list[jax.Device]:
-    """The first ``n`` of ``jax.devices()``.
+    """The ``n`` devices a chapter uses: the first ``n`` of ``jax.devices()``.
 
-    ``n`` defaults to ``$DPBOOK_NUM_DEVICES``, else all devices. On a CPU, make several
-    devices with :func:`dpbook.emulate_cpu_devices` before importing jax.
+    ``n`` defaults to ``$DPBOOK_NUM_DEVICES``, else all devices, but at least 2 when the
+    CPU has 2 emulated devices (:func:`dpbook.emulate_cpu_devices`, called before
+    ``import jax``). A GPU is one device in JAX: on a machine with fewer GPUs than ``n``,
+    the chapters run on ``n`` emulated CPU devices instead (:func:`devices_note` says so).
     """
-    available = jax.devices()
+    available, cpus = jax.devices(), jax.devices("cpu")
     if n is None:
-        n = config.num_devices(default=len(available))
-    if n < 1:
-        raise ValueError(f"need at least one device, got {n}")
-    if n > len(available):
-        raise ValueError(
-            f"asked for {n} devices but jax has {len(available)} ({available[0].platform}); "
-            f"on a CPU call dpbook.emulate_cpu_devices({n}) before `import jax`")
-    return available[:n]
+        n = config.num_devices(default=max(len(available), min(len(cpus), 2)))
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"need at least one device, got {n!r}")
+    if n <= len(available):
+        return available[:n]
+    if n <= len(cpus):
+        return cpus[:n]
+    raise ValueError(
+        f"asked for {n} devices but jax has {len(available)} ({available[0].platform}) and "
+        f"{len(cpus)} CPU device(s); call dpbook.emulate_cpu_devices({n}) before "
+        "`import jax` (restart the kernel first if jax is already imported)")
+
+
+def devices_note(devices: Sequence[jax.Device]) -> str | None:
+    """One line for the reader when ``devices`` are emulated CPU devices on a machine
+    with a GPU, else ``None``."""
+    gpus = _gpus()
+    if gpus and devices and devices[0].platform == "cpu":
+        return (f"{len(devices)} emulated CPU devices: this machine has {len(gpus)} GPU(s), "
+                "and JAX counts a GPU as one device")
+    return None
 
 
 def synchronize(result: Any = None) -> None:

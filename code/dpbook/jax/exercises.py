@@ -20,12 +20,18 @@ __all__ = ["check_allreduce", "check_ring_allreduce", "check_shard_map_grads",
            "check_scan_accumulation", "check_pad_batch"]
 
 
+def _check_devices() -> list[jax.Device]:
+    """The devices a check runs its cases on: the emulated CPU devices when there are more
+    of them than accelerators (one GPU still gives the cases of 2, 3, 4 and 8 devices)."""
+    return max(jax.devices(), jax.devices("cpu"), key=len)
+
+
 def check_allreduce(fn: Callable[[list[jax.Array]], Sequence[jax.Array]], quiet: bool = False
                     ) -> Failure | None:
     """Check ``fn(data) -> results``: ``data`` holds one array per device; ``results[i]``
     must be the sum of all of them, on ``data[i]``'s device. 1 to 8 devices (as many as
     there are), float and integer arrays, shapes that do not divide."""
-    devices = jax.devices()
+    devices = _check_devices()
     cases = [(f"{k} device(s), arrays of shape {shape}, {dtype.__name__}", (k, shape, dtype))
              for k in (1, 2, 3, 4, 8) if k <= len(devices)
              for shape in ((1,), (5,), (2, 3)) for dtype in (np.float32, np.int32)]
@@ -55,7 +61,7 @@ def check_ring_allreduce(fn: Callable[[jax.Array, str], jax.Array], quiet: bool 
     """Check ``fn(x, axis_name)``, called inside ``jax.shard_map`` on each device's array,
     against ``lax.psum``: 1 to 8 devices (as many as there are), sizes that divide by the
     device count and sizes that do not."""
-    devices = jax.devices()
+    devices = _check_devices()
     cases = [(f"{k} device(s), {size} value(s) per device", (k, size))
              for k in (1, 2, 3, 4, 8) if k <= len(devices) for size in (1, 5, 8)]
 
@@ -122,7 +128,7 @@ def check_shard_map_grads(fn: Callable, quiet: bool = False) -> Failure | None:
     ``axis_name``; the grads come back replicated (``out_specs=P()``) and must equal the
     gradient of the mean loss over the whole batch on one device. ``loss_fn(params, X, y)``
     is the mean cross-entropy of a linear model. 1 to 8 devices (as many as there are)."""
-    devices = jax.devices()
+    devices = _check_devices()
     cases = [(f"{k} device(s), {2 * k} examples", k) for k in (1, 2, 3, 4, 8)
              if k <= len(devices)]
 

@@ -19,9 +19,7 @@ allreduce calls with a DDP communication hook (:func:`dpbook.torch.hooks.countin
 from __future__ import annotations
 
 import contextlib
-import json
 import time
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -30,8 +28,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .data import random_batch
-from .devices import hardware_line
-from .dist import process_group, run
+from .devices import full_float32, hardware_line, synchronize
+from .dist import group_devices, process_group, run
 from .hooks import register
 
 __all__ = ["accumulate_step", "compare", "compare_worker"]
@@ -67,13 +65,14 @@ def _model(kind: str) -> nn.Module:
 
 
 def compare_worker(rank: int, world_size: int, kind: str, ks: Sequence[int], micro_batch: int,
-                   steps: int, out: str) -> None:
+                   steps: int) -> dict:
     """For every k in ``ks``: ``steps`` optimizer steps of k micro-batches of
     ``micro_batch`` examples per process with ``no_sync``, and the same steps on the whole
-    batch at once. Rank 0 writes, for each k, the largest parameter difference between the
+    batch at once. Returns, for each k, the largest parameter difference between the
     two, the allreduce calls per optimizer step and the seconds per step; ``"every"`` is
     the same accumulation without ``no_sync`` (an allreduce after every micro-batch)."""
     with process_group(rank, world_size) as device:
+        full_float32()                 # compared in float32: no TF32 on a GPU
         results = []
         for k in ks:
             finals, record = {}, {"k": k}
@@ -90,6 +89,7 @@ def compare_worker(rank: int, world_size: int, kind: str, ks: Sequence[int], mic
                                list(zip(X.split(micro_batch), y.split(micro_batch))))
                     tik = time.perf_counter()
                     accumulate_step(model, optimizer, batches, no_sync=way == "accumulated")
+                    synchronize([device])              # a GPU's work, not its launch
                     seconds += time.perf_counter() - tik
                 finals[way] = [p.detach().cpu() for p in model.module.parameters()]
                 record[way] = {"calls_per_step": counter.calls / steps,
@@ -102,10 +102,9 @@ def compare_worker(rank: int, world_size: int, kind: str, ks: Sequence[int], mic
             record["moved"] = max((a - b).abs().max().item()
                                   for a, b in zip(finals["whole"], start))
             results.append(record)
-        if rank == 0:
-            Path(out).write_text(json.dumps({
-                "model": kind, "micro_batch": micro_batch, "results": results,
-                "hardware": hardware_line([device] * world_size)}))
+        return {
+            "model": kind, "micro_batch": micro_batch, "results": results,
+            "hardware": hardware_line(group_devices(device))}
 
 
 def compare(nprocs: int, kind: str = "lenet", ks: Sequence[int] = (1, 2, 4),

@@ -33,7 +33,6 @@ import inspect
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -240,12 +239,12 @@ def recording(on_message: Callable[[str, int, torch.Tensor], None]) -> Iterator[
             setattr(dist, name, original)
 
 
-def trace_worker(rank: int, world_size: int, name: str, numel: int, out: str) -> None:
+def trace_worker(rank: int, world_size: int, name: str, numel: int) -> dict | None:
     """Run ``ALGORITHMS[name]`` once on a tensor of ``numel`` small integers and keep every
     message this process sent or posted to receive: when (seconds since a barrier), to or
     from whom, which values of the tensor (offset and count; ``None`` for a receive
-    buffer), the values sent, and the whole tensor at that moment. Rank 0 writes all
-    processes' records (JSON)."""
+    buffer), the values sent, and the whole tensor at that moment. Rank 0 returns all
+    processes' records."""
     with process_group(rank, world_size):
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, 10, (numel,), generator=g).float()
@@ -269,11 +268,11 @@ def trace_worker(rank: int, world_size: int, name: str, numel: int, out: str) ->
         dist.all_gather_object(everyone, mine)
         if rank == 0:
             sizes = [c.numel() for c in torch.tensor_split(x, world_size)]
-            Path(out).write_text(json.dumps({
-                "algorithm": name, "processes": world_size, "numel": numel,
-                "chunks": [[sum(sizes[:i]), n] for i, n in enumerate(sizes)],
-                "ranks": everyone, "hardware": hardware_line([torch.device("cpu")] *
-                                                             world_size)}))
+            return {"algorithm": name, "processes": world_size, "numel": numel,
+                    "chunks": [[sum(sizes[:i]), n] for i, n in enumerate(sizes)],
+                    "ranks": everyone,
+                    "hardware": hardware_line([torch.device("cpu")] * world_size)}
+    return None
 
 
 def record(name: str = "ring", nprocs: int = 4, numel: int = 8) -> dict:
@@ -283,7 +282,7 @@ def record(name: str = "ring", nprocs: int = 4, numel: int = 8) -> dict:
         raise ValueError(f"unknown algorithm {name!r}: choose one of {', '.join(ALGORITHMS)}")
     if numel < 1:
         raise ValueError(f"need at least one value, got {numel}")
-    return run(trace_worker, nprocs, name, numel)
+    return run(trace_worker, nprocs, name, numel, on="cpu")
 
 
 def _rank_data(rank: int, numel: int, seed: int = 0) -> torch.Tensor:
@@ -293,9 +292,9 @@ def _rank_data(rank: int, numel: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(-100, 100, (numel,), generator=g).float()
 
 
-def check_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequence[int],
-                 out: str) -> None:
-    """Run every algorithm on every size; rank 0 writes the largest error of each (JSON).
+def check_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequence[int]
+                 ) -> dict[str, float]:
+    """Run every algorithm on every size; return the largest error of each, over all ranks.
 
     Every rank checks its own result against the true sum, which it can compute because
     the data of every rank comes from a known seed.
@@ -312,15 +311,14 @@ def check_worker(rank: int, world_size: int, names: Sequence[str], sizes: Sequen
             error = torch.tensor([worst])
             dist.all_reduce(error, op=dist.ReduceOp.MAX)     # the worst over all ranks
             errors[name] = error.item()
-        if rank == 0:
-            Path(out).write_text(json.dumps(errors))
+        return errors
 
 
 def bench_worker(rank: int, world_size: int,
                  algorithms: dict[str, Callable[[torch.Tensor], torch.Tensor]],
-                 sizes: Sequence[int], repeats: int, out: str) -> None:
-    """Time every algorithm (label → function) at every size (bytes of float32); rank 0
-    writes the results.
+                 sizes: Sequence[int], repeats: int) -> dict:
+    """Time every algorithm (label → function) at every size (bytes of float32) and
+    return the results.
 
     One warm-up call of each algorithm, then ``repeats`` rounds in which every algorithm
     runs once in turn (so a slow moment of the machine hits all of them, not just the one
@@ -346,10 +344,8 @@ def bench_worker(rank: int, world_size: int,
             results += [{"algorithm": label, "processes": world_size, "bytes": nbytes,
                          "seconds": statistics.median(times[label]),
                          "correct": correct[label]} for label in algorithms]
-        if rank == 0:
-            Path(out).write_text(json.dumps(
-                {"results": results, "hardware": hardware_line([torch.device("cpu")] *
-                                                                world_size)}))
+        return {"results": results,
+                "hardware": hardware_line([torch.device("cpu")] * world_size)}
 
 
 def check(nprocs: int, names: Sequence[str] = tuple(ALGORITHMS),
@@ -357,7 +353,7 @@ def check(nprocs: int, names: Sequence[str] = tuple(ALGORITHMS),
           timeout: float = 300) -> dict[str, float]:
     """The largest difference from the true sum of each algorithm, on ``nprocs``
     processes, over all ``sizes`` (numbers of elements; 0.0 means exact)."""
-    return run(check_worker, nprocs, list(names), list(sizes), timeout=timeout)
+    return run(check_worker, nprocs, list(names), list(sizes), on="cpu", timeout=timeout)
 
 
 def benchmark(nprocs: int, sizes: Sequence[int], names: Sequence[str] = tuple(ALGORITHMS),
@@ -378,7 +374,7 @@ def benchmark(nprocs: int, sizes: Sequence[int], names: Sequence[str] = tuple(AL
         if unknown:
             raise ValueError(f"unknown algorithm(s) {unknown}; choose from {list(ALGORITHMS)}")
         algorithms = {name: ALGORITHMS[name] for name in names}
-    return run(bench_worker, nprocs, dict(algorithms), list(sizes), repeats,
+    return run(bench_worker, nprocs, dict(algorithms), list(sizes), repeats, on="cpu",
                timeout=timeout)
 
 

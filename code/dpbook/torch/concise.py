@@ -45,6 +45,9 @@ def data_parallel_info(net: nn.Module) -> str:
     if not net.device_ids:
         return ("nn.DataParallel with device_ids=[]: no CUDA device, so it calls the module "
                 "once on the whole batch (nothing runs in parallel)")
+    if len(net.device_ids) == 1:
+        return (f"nn.DataParallel over GPU {net.device_ids[0]} alone: it calls the module "
+                "directly, with nothing to scatter or gather")
     return (f"nn.DataParallel over GPUs {net.device_ids}: scatter the batch, replicate the "
             f"module, run in parallel, gather outputs on cuda:{net.output_device}")
 
@@ -69,12 +72,13 @@ def train(num_devices: int, batch_size: int, lr: float,
         batch_size, scale.resnet_num_train, scale.resnet_num_test, root=root, seed=seed)
     net = resnet18(width=scale.resnet_width)
     net.load_state_dict(init_resnet18(scale.resnet_width, seed) if init_state is None else init_state)
-    net = nn.DataParallel(net.to(devices[0]), device_ids=devices)
+    # nn.DataParallel takes each GPU once: k replicas on one GPU are one replica here
+    net = nn.DataParallel(net.to(devices[0]), device_ids=list(dict.fromkeys(devices)))
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     if animator is None:
         animator = training_animator(
             num_epochs, f"{num_devices} device(s), batch {batch_size}, lr {lr}")
-    timer = Timer(start=False)
+    timer = Timer(devices, start=False)
     for epoch in range(num_epochs):
         net.train()
         metric = Accumulator(2)      # summed loss, examples

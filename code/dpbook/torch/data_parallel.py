@@ -31,7 +31,6 @@ import argparse
 import itertools
 import json
 import statistics
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -40,8 +39,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .devices import hardware_line
-from .dist import process_group, run, slowest_seconds
+from .devices import full_float32, hardware_line
+from .dist import group_devices, process_group, run, slowest_seconds
 
 __all__ = ["DataParallel", "PerParameterDataParallel", "FlatDataParallel",
            "OverlapDataParallel", "BucketedDataParallel", "WRAPPERS", "wrap", "make_buckets",
@@ -246,10 +245,11 @@ def _model(kind: str, rank: int) -> nn.Module:
 
 
 def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, steps: int,
-                   bucket_cap_mb: float, out: str) -> None:
+                   bucket_cap_mb: float) -> dict:
     """Train ``kind`` for ``steps`` SGD steps with every wrapper in ``names`` and with DDP;
-    rank 0 writes each wrapper's largest parameter difference from DDP and its counts."""
+    returns each wrapper's largest parameter difference from DDP and its counts."""
     with process_group(rank, world_size) as device:
+        full_float32()                 # compared in float32: no TF32 on a GPU
         results, finals = {}, {}
         for name in [*names, "ddp"]:
             model = wrap(name, _model(kind, rank).to(device), bucket_cap_mb)
@@ -272,8 +272,7 @@ def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, 
                 (a - b).abs().max().item() for a, b in zip(finals[name], finals["ddp"]))
         results["moved"] = max((a - b).abs().max().item()
                                for a, b in zip(finals["ddp"], start))
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
+        return results
 
 
 def compare(nprocs: int, names: Sequence[str] = ("per-parameter", "flat", "overlap", "bucketed"),
@@ -290,9 +289,9 @@ def compare(nprocs: int, names: Sequence[str] = ("per-parameter", "flat", "overl
 
 
 def bench_worker(rank: int, world_size: int, names: Sequence[str], batch_size: int,
-                 rounds: int, steps: int, bucket_cap_mb: float, out: str) -> None:
+                 rounds: int, steps: int, bucket_cap_mb: float) -> dict:
     """LeNet, ``rounds`` rounds in which every wrapper takes ``steps`` timed steps in turn
-    (so a slow moment of the machine hits all of them); rank 0 writes the median steps
+    (so a slow moment of the machine hits all of them); returns the median steps
     per second of each."""
     from .models import lenet
     with process_group(rank, world_size) as device:
@@ -319,10 +318,9 @@ def bench_worker(rank: int, world_size: int, names: Sequence[str], batch_size: i
             for name, (model, optimizer) in models.items():
                 seconds = slowest_seconds(lambda: [step(model, optimizer) for _ in range(steps)])
                 speeds[name].append(steps / seconds)
-        if rank == 0:
-            Path(out).write_text(json.dumps({
-                "steps_per_sec": {n: statistics.median(s) for n, s in speeds.items()},
-                "hardware": hardware_line([device] * world_size)}))
+        return {
+            "steps_per_sec": {n: statistics.median(s) for n, s in speeds.items()},
+            "hardware": hardware_line(group_devices(device))}
 
 
 def benchmark(nprocs: int, names: Sequence[str] = tuple(WRAPPERS), batch_size: int = 128,

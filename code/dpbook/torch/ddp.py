@@ -47,12 +47,12 @@ from torch.utils.data.distributed import DistributedSampler
 from ..tools import atomic_write
 from .data import fashion_mnist_datasets
 from .devices import get_scale, hardware_line
-from .dist import process_group, rank_from_env, run
+from .dist import group_devices, process_group, rank_from_env, run
 from .evaluate import accuracy
 from .models import lenet, resnet18
 
-__all__ = ["Config", "build_model", "train_worker", "register_comm_hook", "spawn_train",
-           "parser", "main"]
+__all__ = ["Config", "build_model", "train_worker", "train_epoch", "save_checkpoint",
+           "resume", "crash_if_asked", "register_comm_hook", "spawn_train", "parser", "main"]
 
 
 @dataclasses.dataclass
@@ -81,6 +81,7 @@ class Config:
     crash_epoch: int | None = None    # … at the start of this epoch, in the first attempt
     comm_hook: str | None = None      # compress the gradients: "fp16" or "2bit"
     threshold: float = 0.01           # the 2-bit threshold (compression.two_bit_hook)
+    device: str = "auto"              # "auto": a GPU per process if there are enough; "cpu"
 
     def to_args(self) -> list[str]:
         """The script's flags for this config (only those that differ from the defaults):
@@ -116,6 +117,18 @@ def _datasets(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
     return fashion_mnist_datasets(num_train, num_test, cfg.data, cfg.seed)
 
 
+def _epochs(cfg: Config) -> int:
+    scale = get_scale(cfg.scale)
+    return cfg.epochs or (scale.resnet_epochs if cfg.model == "resnet18" else scale.num_epochs)
+
+
+def _per_process(cfg: Config, world_size: int) -> int:
+    if cfg.batch_size % world_size:
+        raise ValueError(f"batch size {cfg.batch_size} does not divide by "
+                         f"{world_size} processes")
+    return cfg.batch_size // world_size
+
+
 def _log(rank: int, world_size: int, message: str) -> None:
     if rank == 0:                                 # one voice for the whole group
         print(f"[rank 0/{world_size}] {message}", flush=True)
@@ -136,84 +149,105 @@ def _evaluate(module: nn.Module, test: TensorDataset, rank: int, world_size: int
     return (counts[0] / counts[1]).item()
 
 
-def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None = None) -> None:
-    """One process of a DDP training run (started by :func:`spawn_train` or by torchrun)."""
+def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None = None
+                 ) -> dict:
+    """One process of a DDP training run (started by :func:`spawn_train` or by torchrun);
+    returns the run's results (the same on every rank)."""
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // world_size)
-    with process_group(rank, world_size, local_rank, threads=threads) as device:
-        scale = get_scale(cfg.scale)
-        epochs = cfg.epochs or (scale.resnet_epochs if cfg.model == "resnet18"
-                                else scale.num_epochs)
-        if cfg.batch_size % world_size:
-            raise ValueError(f"batch size {cfg.batch_size} does not divide by "
-                             f"{world_size} processes")
-        per_process = cfg.batch_size // world_size
+    with process_group(rank, world_size, local_rank, threads=threads, on=cfg.device) as device:
+        per_process = _per_process(cfg, world_size)
         train, test = _datasets(cfg)
         sampler = DistributedSampler(train, num_replicas=world_size, rank=rank,
                                      shuffle=True, seed=cfg.seed)
         train_iter = DataLoader(train, per_process, sampler=sampler)
-
         net = build_model(cfg).to(device)
         optimizer = torch.optim.SGD(net.parameters(), lr=cfg.lr)
-        start_epoch = 0
-        if cfg.resume and cfg.checkpoint and os.path.exists(cfg.checkpoint):
-            state = torch.load(cfg.checkpoint, map_location=device)
-            net.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            start_epoch = state["epoch"]
-            _log(rank, world_size, f"resumed from {cfg.checkpoint} after epoch {start_epoch}")
+        start_epoch = resume(cfg, net, optimizer, device, rank, world_size)
         net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
         count_bytes = register_comm_hook(net, cfg.comm_hook, cfg.threshold)
-        hardware = hardware_line([device] * world_size)    # one device per process
-        _log(rank, world_size, f"backend {dist.get_backend()}, {world_size} process(es), "
-             f"{threads} thread(s) each, global batch {cfg.batch_size} = "
+        _log(rank, world_size, f"backend {dist.get_backend()}, {world_size} process(es) on "
+             f"{device.type}, {threads} thread(s) each, global batch {cfg.batch_size} = "
              f"{world_size} x {per_process}")
-        history, steps_taken = [], 0
-        for epoch in range(start_epoch, epochs):
-            if (rank == cfg.crash_rank and epoch + 1 == cfg.crash_epoch
-                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-                print(f"[rank {rank}] killing myself at epoch {epoch + 1}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)   # as if the machine had died
+        history, steps = [], 0
+        for epoch in range(start_epoch, _epochs(cfg)):
+            crash_if_asked(cfg, rank, epoch)
             sampler.set_epoch(epoch)              # a new shuffle, the same on every process
-            totals = torch.zeros(2, device=device)  # summed loss, examples
-            dist.barrier()
-            tik = time.perf_counter()
-            for step, (X, y) in enumerate(train_iter):
-                if cfg.max_steps is not None and step >= cfg.max_steps:
-                    break
-                steps_taken += 1
-                X, y = X.to(device), y.to(device)
-                loss = F.cross_entropy(net(X), y)
-                optimizer.zero_grad()
-                loss.backward()                   # DDP allreduces (averages) the gradients here
-                optimizer.step()
-                totals += torch.stack([loss.detach() * len(y),
-                                       torch.tensor(float(len(y)), device=device)])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dist.barrier()                        # the epoch ends when the slowest process ends
-            seconds = time.perf_counter() - tik
-            dist.all_reduce(totals)
+            loss, examples, seconds, taken = train_epoch(net, optimizer, train_iter, device,
+                                                         cfg.max_steps)
+            steps += taken
             for buffer in net.module.buffers():   # BatchNorm running stats: take rank 0's
                 dist.broadcast(buffer, src=0)
             test_acc = _evaluate(net.module, test, rank, world_size, device, per_process)
-            record = {"epoch": epoch + 1, "train_loss": (totals[0] / totals[1]).item(),
-                      "test_acc": test_acc, "seconds": seconds,
-                      "examples_per_sec": totals[1].item() / seconds,
-                      "bytes_sent": count_bytes(steps_taken)}
-            history.append(record)
-            _log(rank, world_size, f"epoch {epoch + 1}: loss {record['train_loss']:.3f}, "
-                 f"test acc {test_acc:.3f}, {seconds:.1f} s, "
-                 f"{record['examples_per_sec']:.0f} examples/s")
+            history.append({"epoch": epoch + 1, "train_loss": loss, "test_acc": test_acc,
+                            "seconds": seconds, "examples_per_sec": examples / seconds,
+                            "bytes_sent": count_bytes(steps)})
+            _log(rank, world_size, f"epoch {epoch + 1}: loss {loss:.3f}, test acc "
+                 f"{test_acc:.3f}, {seconds:.1f} s, {examples / seconds:.0f} examples/s")
             if rank == 0 and cfg.checkpoint:      # one writer; others would race on the file
-                state = {"epoch": epoch + 1, "model": net.module.state_dict(),
-                         "optimizer": optimizer.state_dict(), "config": dataclasses.asdict(cfg)}
-                atomic_write(cfg.checkpoint, lambda path: torch.save(state, path))
+                save_checkpoint(cfg.checkpoint, net.module, optimizer, epoch + 1, cfg)
+        hardware = hardware_line(group_devices(device))
         _log(rank, world_size, hardware)
-        if rank == 0 and cfg.out:
-            Path(cfg.out).write_text(json.dumps({
-                "world_size": world_size, "backend": dist.get_backend(),
-                "threads": threads, "history": history, "hardware": hardware,
-                "config": dataclasses.asdict(cfg)}, indent=1))
+        return {"world_size": world_size, "backend": dist.get_backend(), "threads": threads,
+                "history": history, "hardware": hardware, "config": dataclasses.asdict(cfg)}
+
+
+def train_epoch(net: DDP, optimizer: torch.optim.Optimizer, train_iter: DataLoader,
+                device: torch.device, max_steps: int | None = None
+                ) -> tuple[float, int, float, int]:
+    """One epoch on this process's part of the data: ``(mean training loss over all
+    processes, examples over all processes, seconds of the slowest process, steps)``."""
+    totals = torch.zeros(2, device=device)        # summed loss, examples
+    steps = 0
+    dist.barrier()
+    tik = time.perf_counter()
+    for step, (X, y) in enumerate(train_iter):
+        if max_steps is not None and step >= max_steps:
+            break
+        X, y = X.to(device), y.to(device)
+        loss = F.cross_entropy(net(X), y)
+        optimizer.zero_grad()
+        loss.backward()                           # DDP allreduces (averages) the gradients here
+        optimizer.step()
+        totals += torch.stack([loss.detach() * len(y),
+                               torch.tensor(float(len(y)), device=device)])
+        steps += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()                                # the epoch ends when the slowest process ends
+    seconds = time.perf_counter() - tik
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item(), int(totals[1].item()), seconds, steps
+
+
+def save_checkpoint(path: str, net: nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
+                    cfg: Config) -> None:
+    """Rank 0's checkpoint after ``epoch`` epochs: model, optimizer, epoch and config,
+    written atomically (a crash while saving leaves the previous checkpoint whole)."""
+    state = {"epoch": epoch, "model": net.state_dict(), "optimizer": optimizer.state_dict(),
+             "config": dataclasses.asdict(cfg)}
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+
+def resume(cfg: Config, net: nn.Module, optimizer: torch.optim.Optimizer,
+           device: torch.device, rank: int, world_size: int) -> int:
+    """With ``cfg.resume`` and an existing ``cfg.checkpoint``: load the model and optimizer
+    on every process and return the epochs already done; else 0."""
+    if not (cfg.resume and cfg.checkpoint and os.path.exists(cfg.checkpoint)):
+        return 0
+    state = torch.load(cfg.checkpoint, map_location=device)
+    net.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    _log(rank, world_size, f"resumed from {cfg.checkpoint} after epoch {state['epoch']}")
+    return state["epoch"]
+
+
+def crash_if_asked(cfg: Config, rank: int, epoch: int) -> None:
+    """The failure demo: rank ``cfg.crash_rank`` kills itself at the start of epoch
+    ``cfg.crash_epoch``, in torchrun's first attempt only (a restart then runs through)."""
+    if (rank == cfg.crash_rank and epoch + 1 == cfg.crash_epoch
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        print(f"[rank {rank}] killing myself at epoch {epoch + 1}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)      # as if the machine had died
 
 
 def register_comm_hook(net: DDP, kind: str | None, threshold: float = 0.01
@@ -238,18 +272,18 @@ def register_comm_hook(net: DDP, kind: str | None, threshold: float = 0.01
     return lambda steps: state.bytes_sent               # counted by the hook itself
 
 
-def _train_to(rank: int, world_size: int, cfg: Config, out: str) -> None:
-    train_worker(rank, world_size, dataclasses.replace(cfg, out=out))
-
-
 def spawn_train(nprocs: int, cfg: Config, timeout: float = 1800) -> dict:
     """Run :func:`train_worker` in ``nprocs`` new processes on this machine
     (:func:`dpbook.torch.dist.run`); return rank 0's results (also written to ``cfg.out``
     if it is set)."""
-    results = run(_train_to, nprocs, cfg, timeout=timeout)
+    results = run(train_worker, nprocs, cfg, on=cfg.device, timeout=timeout)
+    _write_results(cfg, results)
+    return results
+
+
+def _write_results(cfg: Config, results: dict) -> None:
     if cfg.out:
         atomic_write(cfg.out, lambda path: Path(path).write_text(json.dumps(results, indent=1)))
-    return results
 
 
 def parser() -> argparse.ArgumentParser:
@@ -279,6 +313,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--crash-epoch", type=int, help="... at the start of this epoch")
     p.add_argument("--comm-hook", choices=("fp16", "2bit"), help="compress the gradients")
     p.add_argument("--threshold", type=float, default=0.01, help="the 2-bit threshold")
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto",
+                   help="auto: one GPU per process when this machine has enough, else the "
+                        "CPU; cpu: CPU processes (e.g. several 'nodes' on one machine)")
     return p
 
 
@@ -290,7 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     placement = rank_from_env()
     if placement is not None:                  # started by torchrun, srun or mpirun
         rank, world_size, local_rank = placement
-        train_worker(rank, world_size, cfg, local_rank)
+        results = train_worker(rank, world_size, cfg, local_rank)
+        if rank == 0:
+            _write_results(cfg, results)
     else:
         spawn_train(nprocs or 1, cfg)
 

@@ -3,7 +3,6 @@ between two checkpoints of the DDP script, and whether ``SyncBatchNorm`` runs he
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -12,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .data import random_batch
 from .ddp import Config, build_model
+from .devices import full_float32
 from .dist import process_group, run
 
 __all__ = ["step_worker", "ddp_step_difference", "sync_batchnorm_status",
@@ -19,13 +19,11 @@ __all__ = ["step_worker", "ddp_step_difference", "sync_batchnorm_status",
 
 
 def step_worker(rank: int, world_size: int, model: str, batch_size: int, lr: float,
-                seed: int, out: str) -> None:
-    """One DDP SGD step on this process's part of a fixed random batch; rank 0 saves the
-    parameters to ``out``. Used to check DDP against one process (:func:`ddp_step_difference`)."""
+                seed: int) -> dict[str, torch.Tensor]:
+    """One DDP SGD step on this process's part of a fixed random batch; returns the
+    parameters. Used to check DDP against one process (:func:`ddp_step_difference`)."""
     with process_group(rank, world_size) as device:
-        if device.type == "cuda":     # full float32 like the CPU reference: no TF32 convolutions
-            torch.backends.cudnn.allow_tf32 = False
-            torch.backends.cuda.matmul.allow_tf32 = False
+        full_float32()                 # like the CPU reference: no TF32 on a GPU
         cfg = Config(model=model, seed=seed, scale="quick")
         net = DDP(build_model(cfg).to(device))
         X, y = random_batch(batch_size, seed)
@@ -33,8 +31,7 @@ def step_worker(rank: int, world_size: int, model: str, batch_size: int, lr: flo
         optimizer = torch.optim.SGD(net.parameters(), lr=lr)
         F.cross_entropy(net(X), y).backward()      # mean over this process's shard
         optimizer.step()                           # the averaged gradient: the global mean
-        if rank == 0:
-            torch.save({k: v.cpu() for k, v in net.module.state_dict().items()}, out)
+        return {k: v.cpu() for k, v in net.module.state_dict().items()}
 
 
 def ddp_step_difference(nprocs: int, model: str = "lenet", batch_size: int = 64,
@@ -51,8 +48,7 @@ def ddp_step_difference(nprocs: int, model: str = "lenet", batch_size: int = 64,
     if batch_size % nprocs:
         raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
     # parameters; BatchNorm's running stats are buffers
-    ddp_state = run(step_worker, nprocs, model, batch_size, lr, seed, timeout=timeout,
-                    read=torch.load)
+    ddp_state = run(step_worker, nprocs, model, batch_size, lr, seed, timeout=timeout)
     X, y = random_batch(batch_size, seed)
     result = {}
     for reference in ("whole", "shards"):
@@ -70,7 +66,7 @@ def ddp_step_difference(nprocs: int, model: str = "lenet", batch_size: int = 64,
     return result
 
 
-def _syncbn_worker(rank: int, world_size: int, out: str) -> None:
+def _syncbn_worker(rank: int, world_size: int) -> str:
     with process_group(rank, world_size, threads=None) as device:
         bn = nn.SyncBatchNorm(4).to(device)
         try:
@@ -78,14 +74,13 @@ def _syncbn_worker(rank: int, world_size: int, out: str) -> None:
             message = "ok"
         except Exception as e:  # noqa: BLE001 - the error is the result
             message = f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
-        if rank == 0:
-            Path(out).write_text(message)
+        return message
 
 
 def sync_batchnorm_status(nprocs: int = 2, timeout: float = 120) -> str:
     """Run one training-mode ``nn.SyncBatchNorm`` forward pass in a group of ``nprocs``
     processes: ``"ok"``, or the error it raised (on a CPU it needs CUDA)."""
-    return run(_syncbn_worker, nprocs, timeout=timeout, read=lambda out: Path(out).read_text())
+    return run(_syncbn_worker, nprocs, timeout=timeout)
 
 
 def max_checkpoint_difference(a: str | os.PathLike | dict, b: str | os.PathLike | dict) -> float:

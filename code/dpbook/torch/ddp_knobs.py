@@ -14,9 +14,7 @@ parameter the forward pass never uses: the error, and the two ways out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -24,8 +22,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .devices import hardware_line
-from .dist import process_group, run, slowest_seconds
+from .devices import full_float32, hardware_line
+from .dist import group_devices, process_group, run, slowest_seconds
 from .hooks import BucketLog, recording_hook
 from .models import lenet
 
@@ -54,9 +52,10 @@ def _gradient_bytes(module: nn.Module, log: BucketLog) -> int:
 
 
 def knobs_worker(rank: int, world_size: int, settings: Sequence[dict], batch_size: int,
-                 rounds: int, steps: int, out: str) -> None:
-    """One DDP LeNet per setting, same start, same batches; rank 0 writes what each did."""
+                 rounds: int, steps: int) -> dict:
+    """One DDP LeNet per setting, same start, same batches; returns what each did."""
     with process_group(rank, world_size) as device:
+        full_float32()                 # compared in float32: no TF32 on a GPU
         g = torch.Generator().manual_seed(rank)
         X = torch.rand(batch_size // world_size, 1, 28, 28, generator=g).to(device)
         y = torch.randint(0, 10, (batch_size // world_size,), generator=g).to(device)
@@ -99,11 +98,10 @@ def knobs_worker(rank: int, world_size: int, settings: Sequence[dict], batch_siz
                 "seconds_per_step": statistics.median(times),
                 "difference": max((p - q).abs().max().item() for p, q
                                   in zip(model.module.parameters(), reference))})
-        if rank == 0:
-            Path(out).write_text(json.dumps({
-                "results": results,
-                "param_bytes": sum(p.numel() * p.element_size() for p in reference),
-                "hardware": hardware_line([device] * world_size)}))
+        return {
+            "results": results,
+            "param_bytes": sum(p.numel() * p.element_size() for p in reference),
+            "hardware": hardware_line(group_devices(device))}
 
 
 def compare(nprocs: int, settings: Sequence[dict] = DEFAULT_SETTINGS, batch_size: int = 128,
@@ -140,9 +138,9 @@ class WithUnusedLayer(nn.Module):
 UNUSED_SETTINGS = ({}, {"find_unused_parameters": True}, {"static_graph": True})
 
 
-def unused_worker(rank: int, world_size: int, out: str) -> None:
-    """Two steps of :class:`WithUnusedLayer` under each of :data:`UNUSED_SETTINGS`; rank 0
-    writes the outcome of each (the error's first sentences, or what became of the unused
+def unused_worker(rank: int, world_size: int) -> list[dict]:
+    """Two steps of :class:`WithUnusedLayer` under each of :data:`UNUSED_SETTINGS`; returns
+    the outcome of each (the error's first sentences, or what became of the unused
     layer's gradient)."""
     with process_group(rank, world_size) as device:
         X, y = torch.rand(8, 1, 28, 28).to(device), torch.randint(0, 10, (8,)).to(device)
@@ -160,8 +158,7 @@ def unused_worker(rank: int, world_size: int, out: str) -> None:
                 sentences = " ".join(str(e).split()).split(". ")
                 outcomes.append({"name": _name(setting), "ok": False,
                                  "error": ". ".join(sentences[:3]).strip() + "."})
-        if rank == 0:
-            Path(out).write_text(json.dumps(outcomes))
+        return outcomes
 
 
 def unused_parameters(nprocs: int = 2, timeout: float = 300) -> list[dict]:

@@ -7,8 +7,8 @@ import torch
 
 from .. import config, devices as _core, tools
 
-__all__ = ["try_gpu", "try_all_gpus", "get_devices", "synchronize", "Timer", "get_scale",
-           "hardware_line", "split_batch"]
+__all__ = ["try_gpu", "try_all_gpus", "get_devices", "devices_note", "synchronize", "Timer",
+           "get_scale", "hardware_line", "split_batch", "full_float32"]
 
 
 def try_gpu(i: int = 0) -> torch.device:
@@ -27,36 +27,57 @@ def try_all_gpus() -> list[torch.device]:
 def get_devices(n: int | None = None) -> list[torch.device]:
     """The ``n`` devices a chapter trains on.
 
-    ``n`` defaults to ``$DPBOOK_NUM_DEVICES``, else every GPU, else 2. With GPUs these are
-    ``cuda:0 … cuda:n-1`` (asking for more than exist is an error). Without a GPU they are
-    ``n`` entries of ``device('cpu')``: "devices" that share the same cores, so the
-    code paths are those of several GPUs but nothing runs faster.
+    ``n`` defaults to ``$DPBOOK_NUM_DEVICES``, else every GPU, else 2 (1 GPU: 2 as well).
+    With at least ``n`` GPUs these are ``cuda:0 … cuda:n-1``. With fewer, GPU ``i % g``
+    holds replica ``i``: on one GPU, ``n`` replicas share it (the code paths of ``n``
+    devices, not their speed). Without a GPU they are ``n`` entries of
+    ``device('cpu')``, replicas that share the same cores. :func:`devices_note` says which.
     """
     num_gpus = torch.cuda.device_count()
     if n is None:
-        n = config.num_devices(default=num_gpus or 2)
-    if n < 1:
-        raise ValueError(f"need at least one device, got {n}")
+        n = config.num_devices(default=max(num_gpus, 2))
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"need at least one device, got {n!r}")
     if num_gpus == 0:
         return [torch.device("cpu")] * n
-    if n > num_gpus:
-        raise ValueError(f"asked for {n} devices but this machine has {num_gpus} GPU(s); "
-                         f"set DPBOOK_NUM_DEVICES to at most {num_gpus}")
-    return [torch.device(f"cuda:{i}") for i in range(n)]
+    return [torch.device(f"cuda:{i % num_gpus}") for i in range(n)]
 
 
-def synchronize(_result=None) -> None:
-    """Wait until every GPU has finished its queued work (no-op without CUDA)."""
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(i)
+def devices_note(devices: Sequence[torch.device]) -> str | None:
+    """One line for the reader when ``devices`` repeat a device (several replicas on one
+    GPU, or on the CPU), else ``None``."""
+    distinct = sorted({str(d) for d in devices})
+    if len(distinct) == len(devices):
+        return None
+    where = "the CPU" if distinct == ["cpu"] else ", ".join(distinct)
+    return (f"{len(devices)} replicas on {where}: the code of {len(devices)} devices, "
+            "without their speed")
+
+
+def synchronize(devices: Sequence[torch.device] | None = None) -> None:
+    """Wait until the GPUs in ``devices`` (default: the current one) have finished their
+    queued work; a no-op without CUDA. Only the GPUs in use are touched."""
+    if not torch.cuda.is_available():
+        return
+    gpus = {d for d in (devices or [None]) if d is None or torch.device(d).type == "cuda"}
+    for d in gpus:
+        torch.cuda.synchronize(d)
 
 
 class Timer(tools.Timer):
-    """:class:`dpbook.Timer` that synchronizes every GPU before reading the clock."""
+    """:class:`dpbook.Timer` that synchronizes the GPUs in ``devices`` (default: the
+    current one) before reading the clock."""
 
-    def __init__(self, *, start: bool = True):
-        super().__init__(sync=synchronize, start=start)
+    def __init__(self, devices: Sequence[torch.device] | None = None, *, start: bool = True):
+        super().__init__(sync=lambda _result=None: synchronize(devices), start=start)
+
+
+def full_float32() -> None:
+    """Compute float32 as float32 on GPUs: no TF32 in cuDNN convolutions or CUDA matmuls
+    (cuDNN uses TF32 by default on Ampere and later). Equivalence checks call it, so
+    that k devices equal one device up to float32 rounding, as on a CPU."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def get_scale(name: str | None = None) -> config.Scale:

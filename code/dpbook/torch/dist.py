@@ -1,18 +1,26 @@
-"""Process plumbing for every multi-process demo: start processes, join a process group,
-always leave it, collect rank 0's result; and the launchers' side (torchrun, SLURM, MPI).
+"""Process plumbing for every multi-process demo: where the processes run (one device
+policy), start them, join a process group, always leave it, and hand back what the
+workers returned; and the launchers' side (torchrun, SLURM, MPI).
 
-A demo is a worker function ``worker(rank, world_size, *args, out)``: it joins the group
-with :func:`process_group`, does its part, and rank 0 writes its result to the file
-``out``. :func:`run` starts ``nprocs`` copies of it and returns what rank 0 wrote::
+A demo is a worker function ``worker(rank, world_size, *args)``: it joins the group with
+:func:`process_group`, does its part and *returns* its result. :func:`run` starts
+``nprocs`` copies of it and returns what rank 0's copy returned (``ranks="all"``: a list,
+one entry per rank)::
 
-    def worker(rank, world_size, out):
+    def worker(rank, world_size):
         with process_group(rank, world_size) as device:
             x = torch.ones(3, device=device)
             torch.distributed.all_reduce(x)
-            if rank == 0:
-                Path(out).write_text(json.dumps(x.tolist()))
+            return x.tolist()
 
     run(worker, 2)          # [2.0, 2.0, 2.0]
+
+**Where the processes run** is decided in one place, :func:`placement`, from what the
+demo asks for (``on="auto"``: a GPU per process when there are enough GPUs; ``on="cpu"``:
+processes on the CPU) and what the machine has. :func:`run` prints the decision once per
+kernel, e.g. ``4 processes on the CPU (gloo): this machine has 1 GPU, fewer than 4``.
+No rank ever asks for a GPU that does not exist, and a group that runs on GPUs also has
+gloo for CPU tensors (backend ``"cpu:gloo,cuda:nccl"``).
 
 The DDP training script (:mod:`dpbook.torch.ddp`) is one such worker; the
 communication chapter's allreduce, parameter server and unequal split are others.
@@ -20,13 +28,12 @@ communication chapter's allreduce, parameter server and unequal split are others
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
-import json
 import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -35,8 +42,85 @@ import torch.multiprocessing as mp
 
 from ..launch import free_port
 
-__all__ = ["free_port", "spawn", "run", "read_json", "init_process", "process_group",
-           "slowest_seconds", "LAUNCHER_VARIABLES", "rank_from_env", "torchrun_command"]
+__all__ = ["free_port", "Placement", "placement", "launcher_placement", "spawn", "run",
+           "init_process", "process_group", "group_devices", "slowest_seconds", "LAUNCHER_VARIABLES",
+           "rank_from_env", "torchrun_command"]
+
+#: What a demo may ask for: ``"auto"`` (one GPU per process if the machine has enough,
+#: else the CPU) or ``"cpu"`` (the demo is about CPU processes, or moves CPU tensors).
+ON = ("auto", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where the ranks of one group run: ``devices[rank]`` (``"cpu"`` or ``"cuda:i"``),
+    the backend string for ``init_process_group``, and why."""
+
+    devices: tuple[str, ...]
+    backend: str
+    why: str
+
+    @property
+    def nprocs(self) -> int:
+        return len(self.devices)
+
+    def device(self, rank: int) -> torch.device:
+        return torch.device(self.devices[rank])
+
+    def __str__(self) -> str:
+        n = self.nprocs
+        procs = f"{n} process" + ("es" if n != 1 else "")
+        if self.devices[0] == "cpu":
+            return f"{procs} on the CPU (gloo): {self.why}"
+        return f"{procs} on {', '.join(self.devices)} (NCCL; gloo for CPU tensors): {self.why}"
+
+
+def _gpus(n: int) -> str:
+    return f"{n} GPU" + ("s" if n != 1 else "")
+
+
+def placement(nprocs: int, on: str = "auto", num_gpus: int | None = None) -> Placement:
+    """The device policy: where ``nprocs`` processes of a demo run.
+
+    ``on="cpu"``: every rank on the CPU, gloo. ``on="auto"``: rank ``r`` on GPU ``r`` when
+    the machine has at least ``nprocs`` GPUs (NCCL for CUDA tensors, gloo for CPU ones);
+    otherwise the CPU, because NCCL refuses two ranks on one GPU. ``num_gpus`` defaults to
+    ``torch.cuda.device_count()``.
+
+    >>> print(placement(2, num_gpus=0))
+    2 processes on the CPU (gloo): this machine has no GPU
+    >>> print(placement(4, num_gpus=1))
+    4 processes on the CPU (gloo): this machine has 1 GPU, fewer than 4
+    >>> print(placement(2, num_gpus=8))
+    2 processes on cuda:0, cuda:1 (NCCL; gloo for CPU tensors): one GPU per process
+    """
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"need at least one process, got {nprocs!r}")
+    if on not in ON:
+        raise ValueError(f"on must be one of {ON}, not {on!r}")
+    num_gpus = torch.cuda.device_count() if num_gpus is None else num_gpus
+    cpu = ("cpu",) * nprocs
+    if on == "cpu":
+        unused = f" (the {_gpus(num_gpus)} stay unused)" if num_gpus else ""
+        return Placement(cpu, "gloo", "this demo runs CPU processes" + unused)
+    if num_gpus == 0:
+        return Placement(cpu, "gloo", "this machine has no GPU")
+    if nprocs > num_gpus:
+        return Placement(cpu, "gloo", f"this machine has {_gpus(num_gpus)}, fewer than {nprocs}")
+    return Placement(tuple(f"cuda:{r}" for r in range(nprocs)), "cpu:gloo,cuda:nccl",
+                     "one GPU per process")
+
+
+def launcher_placement(rank: int, world_size: int, local_rank: int,
+                       local_world_size: int | None = None, on: str = "auto",
+                       num_gpus: int | None = None) -> tuple[torch.device, str]:
+    """(device, backend) of a process started by a launcher (torchrun, mpirun, srun):
+    GPU ``local_rank`` when this node has a GPU for each of its ``local_world_size``
+    processes, else the CPU. Every node decides alone, so nodes with too few GPUs must
+    be told ``on="cpu"`` (the ``--device cpu`` of :mod:`dpbook.torch.ddp`)."""
+    local_world_size = world_size if local_world_size is None else local_world_size
+    node = placement(local_world_size, on, num_gpus)
+    return node.device(local_rank), node.backend
 
 
 def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300,
@@ -75,40 +159,64 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300,
             p.join()
 
 
-def read_json(path: str) -> Any:
-    """What :func:`run` returns by default: the JSON rank 0 wrote."""
-    return json.loads(Path(path).read_text())
+# Set in a child of `run` (the parent decided where every rank goes): `process_group` reads it.
+_RUN_PLACEMENT: Placement | None = None
+_SAID: set[str] = set()          # placements already printed in this process
 
 
-def run(worker: Callable[..., None], nprocs: int, *args: Any, timeout: float = 300,
-        read: Callable[[str], Any] = read_json) -> Any:
-    """Start ``worker(rank, nprocs, *args, out)`` in ``nprocs`` processes (:func:`spawn`)
-    and return ``read(out)``: by default the JSON rank 0 wrote to the file ``out``.
+def _run_child(rank: int, nprocs: int, worker: Callable[..., Any], where: Placement,
+               folder: str, keep: bool, args: tuple) -> None:
+    """What every process of :func:`run` does: call the worker, save what it returned."""
+    global _RUN_PLACEMENT
+    _RUN_PLACEMENT = where
+    result = worker(rank, nprocs, *args)
+    if keep or rank == 0:
+        torch.save(result, os.path.join(folder, f"rank-{rank}.pt"))
 
-    ``out`` lives in a temporary folder that is gone when ``run`` returns, so ``read``
-    must load everything it needs (e.g. ``torch.load``). Files beside ``out`` (say
-    ``out + ".params.pt"``) are in the same folder and go with it.
+
+def run(worker: Callable[..., Any], nprocs: int, *args: Any, on: str = "auto",
+        ranks: str = "first", timeout: float = 300, verbose: bool = True) -> Any:
+    """Start ``worker(rank, nprocs, *args)`` in ``nprocs`` processes (:func:`spawn`) and
+    return what rank 0's worker returned, or with ``ranks="all"`` a list of what every
+    rank returned.
+
+    Where the processes run is :func:`placement`'s decision for ``on``; with ``verbose``
+    it is printed the first time this process sees it. Results travel back through
+    ``torch.save``, so tensors, dicts and dataclasses arrive as they were (CUDA tensors
+    on the CPU).
     """
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out")
-        spawn(worker, nprocs, *args, out, timeout=timeout)
-        return read(out)
+    if ranks not in ("first", "all"):
+        raise ValueError(f"ranks must be 'first' or 'all', not {ranks!r}")
+    where = placement(nprocs, on)
+    if verbose and str(where) not in _SAID:
+        _SAID.add(str(where))
+        print(where, flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        spawn(_run_child, nprocs, worker, where, folder, ranks == "all", args,
+              timeout=timeout)
+        load = [os.path.join(folder, f"rank-{r}.pt")
+                for r in (range(nprocs) if ranks == "all" else [0])]
+        results = [torch.load(path, map_location="cpu", weights_only=False) for path in load]
+    return results if ranks == "all" else results[0]
 
 
 def init_process(rank: int, world_size: int, local_rank: int | None = None,
-                 timeout: float = 120) -> torch.device:
+                 timeout: float = 120, on: str = "auto") -> torch.device:
     """Join the process group (rendezvous at ``MASTER_ADDR:MASTER_PORT``); return our device.
 
-    The device is GPU ``local_rank`` when there are GPUs, else the CPU; the backend is the
-    one PyTorch recommends for it (nccl for CUDA, gloo for the CPU).
+    In a process of :func:`run` the device and backend are the ones :func:`placement`
+    chose in the parent; under a launcher they come from :func:`launcher_placement`
+    (``LOCAL_WORLD_SIZE`` processes on this node, ``on`` as asked).
     """
-    local_rank = rank if local_rank is None else local_rank
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
+    if _RUN_PLACEMENT is not None:
+        device, backend = _RUN_PLACEMENT.device(rank), _RUN_PLACEMENT.backend
     else:
-        device = torch.device("cpu")
-    backend = dist.get_default_backend_for_device(device)
+        local_rank = rank if local_rank is None else local_rank
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        device, backend = launcher_placement(rank, world_size, local_rank, local_world_size,
+                                             on)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
                             store=_attempt_store(rank, world_size, timeout))
@@ -117,14 +225,15 @@ def init_process(rank: int, world_size: int, local_rank: int | None = None,
 
 @contextlib.contextmanager
 def process_group(rank: int, world_size: int, local_rank: int | None = None,
-                  threads: int | None = 1, timeout: float = 120) -> Iterator[torch.device]:
+                  threads: int | None = 1, timeout: float = 120,
+                  on: str = "auto") -> Iterator[torch.device]:
     """``with process_group(rank, world_size) as device:`` joins the group
     (:func:`init_process`) and leaves it at the end, whatever happens inside.
 
     On a CPU each process uses ``threads`` threads (default 1: the processes share the
     machine's cores; ``None`` leaves PyTorch's default).
     """
-    device = init_process(rank, world_size, local_rank, timeout)
+    device = init_process(rank, world_size, local_rank, timeout, on)
     try:
         if device.type == "cpu" and threads is not None:
             torch.set_num_threads(threads)
@@ -133,18 +242,28 @@ def process_group(rank: int, world_size: int, local_rank: int | None = None,
         dist.destroy_process_group()
 
 
-def slowest_seconds(fn: Callable[[], Any]) -> float:
+def group_devices(device: torch.device) -> list[torch.device]:
+    """The device of every rank of the group, in rank order (a collective: every rank
+    calls it with its own device). What a hardware line of the group should list."""
+    everyone: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, str(device))
+    return [torch.device(d) for d in everyone]
+
+
+def slowest_seconds(fn: Callable[[], Any], device: torch.device | None = None) -> float:
     """Call ``fn()`` on every process of the group, started together (a barrier), and
     return the seconds the *slowest* process took: a collective step is only as fast as
-    its slowest member. Waits for the GPU before reading the clock."""
+    its slowest member. Waits for this process's GPU (``device``, default the current
+    one when this process uses CUDA) before reading the clock."""
+    if device is None:
+        on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else None
     dist.barrier()
     tik = time.perf_counter()
     fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    device = (torch.device("cuda", torch.cuda.current_device())   # NCCL sums GPU tensors
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
-    took = torch.tensor([time.perf_counter() - tik], dtype=torch.float64, device=device)
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    took = torch.tensor([time.perf_counter() - tik], dtype=torch.float64)  # gloo's part
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return took.item()
 

@@ -11,6 +11,7 @@ FSDP2 calls, by wrapping ``torch.distributed``'s functions for the duration.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Iterator
 
 import torch
@@ -24,29 +25,37 @@ __all__ = ["counting", "shard_lenet", "fsdp_worker", "compare"]
 
 @contextlib.contextmanager
 def counting(traffic: Traffic) -> Iterator[Traffic]:
-    """Within the block, add every ``all_gather_single``, ``reduce_scatter_single`` and
-    ``all_reduce`` of ``torch.distributed`` (FSDP2 calls them through the module) to
-    ``traffic``, with the bytes of the full tensor."""
-    originals = {name: getattr(dist, name) for name in
-                 ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+    """Within the block, add every all-gather, reduce-scatter and all-reduce that
+    ``torch.distributed`` runs (FSDP2 calls them through the module) to ``traffic``, with
+    the bytes of the full tensor. The all-gather and reduce-scatter have two names each:
+    ``all_gather_single``/``reduce_scatter_single`` from torch 2.13 on,
+    ``all_gather_into_tensor``/``reduce_scatter_tensor`` before; both are counted, and a
+    call that one makes to the other counts once."""
+    kinds = {"all_gather_single": "all-gather", "all_gather_into_tensor": "all-gather",
+             "reduce_scatter_single": "reduce-scatter",
+             "reduce_scatter_tensor": "reduce-scatter", "all_reduce": "allreduce"}
+    originals = {name: getattr(dist, name) for name in kinds if hasattr(dist, name)}
+    depth = [0]
 
-    def all_gather_single(output, input, *args, **kwargs):
-        traffic.add("all-gather", output.numel() * output.element_size())
-        return originals["all_gather_single"](output, input, *args, **kwargs)
+    def counted(name):
+        signature = inspect.signature(originals[name])
+        position = 1 if kinds[name] == "reduce-scatter" else 0   # the full tensor's argument
 
-    def reduce_scatter_single(output, input, *args, **kwargs):
-        traffic.add("reduce-scatter", input.numel() * input.element_size())
-        return originals["reduce_scatter_single"](output, input, *args, **kwargs)
+        def call(*args, **kwargs):
+            if depth[0] == 0:     # reduce-scatter's input; all-gather's output; all_reduce's
+                bound = signature.bind(*args, **kwargs)
+                full = list(bound.arguments.values())[position]
+                traffic.add(kinds[name], full.numel() * full.element_size())
+            depth[0] += 1
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
 
-    def all_reduce(tensor, *args, **kwargs):
-        traffic.add("allreduce", tensor.numel() * tensor.element_size())
-        return originals["all_reduce"](tensor, *args, **kwargs)
-
-    patched = {"all_gather_single": all_gather_single,
-               "reduce_scatter_single": reduce_scatter_single, "all_reduce": all_reduce}
     try:
-        for name, fn in patched.items():
-            setattr(dist, name, fn)
+        for name in originals:
+            setattr(dist, name, counted(name))
         yield traffic
     finally:
         for name, fn in originals.items():
@@ -77,9 +86,9 @@ def _unsharded_bytes(model: torch.nn.Module) -> int:
                if not isinstance(p, DTensor))
 
 
-def fsdp_worker(rank: int, world_size: int, optimizer: str, steps: int, batch_size: int,
-                out: str) -> None:
-    """LeNet under FSDP2, with and without ``reshard_after_forward``; rank 0 saves, per
+def fsdp_worker(rank: int, world_size: int, optimizer: str, steps: int, batch_size: int
+                ) -> dict:
+    """LeNet under FSDP2, with and without ``reshard_after_forward``; returns, per
     setting, the final parameters, the last step's traffic, the whole-parameter bytes held
     between forward and backward, and each parameter's local shard shape."""
     from torch.distributed.tensor import DTensor
@@ -109,8 +118,7 @@ def fsdp_worker(rank: int, world_size: int, optimizer: str, steps: int, batch_si
                 "held_between": held,
                 "shards": {name: (tuple(p.shape), tuple(p.to_local().shape), str(p.placements))
                            for name, p in model.named_parameters() if isinstance(p, DTensor)}}
-        if rank == 0:
-            torch.save(results, out)
+        return results
 
 
 def compare(nprocs: int, optimizer: str = "adam", steps: int = 3, batch_size: int = 48,
@@ -122,8 +130,8 @@ def compare(nprocs: int, optimizer: str = "adam", steps: int = 3, batch_size: in
     from .dist import run
     if batch_size % nprocs:
         raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
-    results = run(fsdp_worker, nprocs, optimizer, steps, batch_size, timeout=timeout,
-                  read=torch.load)
+    results = run(fsdp_worker, nprocs, optimizer, steps, batch_size, on="cpu",
+                  timeout=timeout)
     ref = reference(optimizer, steps, batch_size)
     for r in results.values():
         r["difference"] = max((r["params"][k] - v).abs().max().item() for k, v in ref.items())

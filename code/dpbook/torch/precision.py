@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import time
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -22,8 +20,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .data import fashion_mnist_datasets
-from .devices import hardware_line
-from .dist import process_group, run
+from .devices import hardware_line, synchronize
+from .dist import group_devices, process_group, run
 from .evaluate import accuracy
 from .hooks import register
 from .models import lenet
@@ -50,9 +48,9 @@ PRECISIONS = (Precision("float32"),
 
 
 def train_worker(rank: int, world_size: int, precisions: Sequence[Precision], steps: int,
-                 batch_size: int, lr: float, data: tuple, out: str) -> None:
+                 batch_size: int, lr: float, data: tuple) -> dict:
     """Train LeNet for ``steps`` SGD steps (global batch ``batch_size``) once per precision,
-    from the same start on the same batches; rank 0 writes every run's loss per step,
+    from the same start on the same batches; returns every run's loss per step,
     bytes and calls per step, seconds per step, the dtypes of the parameters and
     gradients at the end, and the test accuracy."""
     with process_group(rank, world_size, threads=1) as device:
@@ -79,6 +77,7 @@ def train_worker(rank: int, world_size: int, precisions: Sequence[Precision], st
                     loss = F.cross_entropy(model(X), y)
                 loss.backward()                           # gradients in float32
                 optimizer.step()                          # on the float32 master weights
+                synchronize([device])                     # a GPU's work, not its launch
                 seconds += time.perf_counter() - tik
                 mean = loss.detach().float().clone()
                 dist.all_reduce(mean)                     # the loss over all processes
@@ -93,9 +92,8 @@ def train_worker(rank: int, world_size: int, precisions: Sequence[Precision], st
                             "seconds_per_step": seconds / steps,
                             "param_dtype": str(params[0].dtype),
                             "grad_dtype": str(params[0].grad.dtype), "test_acc": test_acc})
-        if rank == 0:
-            Path(out).write_text(json.dumps({"results": results, "batch_size": batch_size,
-                                             "hardware": hardware_line([device] * world_size)}))
+        return {"results": results, "batch_size": batch_size,
+                "hardware": hardware_line(group_devices(device))}
 
 
 def compare(nprocs: int, precisions: Sequence[Precision] = PRECISIONS, steps: int = 100,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -40,15 +41,16 @@ def _quiet_stderr():
 
 
 def profile_worker(rank: int, world_size: int, names: Sequence[str], width: int,
-                   batch_size: int, bucket_cap_mb: float, out: str) -> None:
+                   batch_size: int, bucket_cap_mb: float) -> dict:
     """Two warm-up steps, then one step of ResNet-18 (``width`` channels) per wrapper, which
-    rank 0 records with ``torch.profiler`` and saves as a Chrome trace, ``out.<name>.json``
+    rank 0 records with ``torch.profiler`` and returns as Chrome traces, ``{name: trace}``
     (the other ranks take the same step unrecorded: every allreduce needs all of them)."""
     from .models import resnet18
     with process_group(rank, world_size) as device:
         g = torch.Generator().manual_seed(rank)
         X = torch.rand(batch_size // world_size, 1, 28, 28, generator=g).to(device)
         y = torch.randint(0, 10, (batch_size // world_size,), generator=g).to(device)
+        traces = {}
         for name in names:
             torch.manual_seed(0)
             model = wrap(name, resnet18(width=width).to(device), bucket_cap_mb)
@@ -69,11 +71,13 @@ def profile_worker(rank: int, world_size: int, names: Sequence[str], width: int,
                     activities.append(torch.profiler.ProfilerActivity.CUDA)
                 with _quiet_stderr(), torch.profiler.profile(activities=activities) as prof:
                     step()
-                prof.export_chrome_trace(f"{out}.{name}.json")
+                with tempfile.TemporaryDirectory() as folder:
+                    path = os.path.join(folder, "trace.json")
+                    prof.export_chrome_trace(path)
+                    traces[name] = json.loads(Path(path).read_text())
             else:
                 step()
-        if rank == 0:
-            Path(out).write_text(json.dumps(list(names)))
+        return traces
 
 
 def profile(nprocs: int, names: Sequence[str] = ("flat", "bucketed", "ddp"), width: int = 16,
@@ -81,11 +85,8 @@ def profile(nprocs: int, names: Sequence[str] = ("flat", "bucketed", "ddp"), wid
             ) -> dict[str, dict]:
     """Profile one training step of each wrapper on ``nprocs`` processes (see
     :func:`profile_worker`); returns ``{name: Chrome trace (a dict with "traceEvents")}``."""
-    def read(out: str) -> dict[str, dict]:
-        return {name: json.loads(Path(f"{out}.{name}.json").read_text())
-                for name in json.loads(Path(out).read_text())}
     return run(profile_worker, nprocs, list(names), width, batch_size, bucket_cap_mb,
-               timeout=timeout, read=read)
+               timeout=timeout)
 
 
 def timeline(trace: dict) -> dict[str, list[tuple[float, float]]]:

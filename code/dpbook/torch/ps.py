@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import math
 import time
-from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -176,15 +174,16 @@ def _test_accuracy(net: nn.Module, X: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def ps_process(rank: int, world_size: int, configs: Sequence[PSConfig],
-               data: tuple[int | None, int | None, str | None], out: str) -> None:
+               data: tuple[int | None, int | None, str | None]) -> list[dict]:
     """One process of :func:`run_ps`: rank 0 serves, the others work, for every config in
-    turn (one process group for all runs: starting processes costs seconds)."""
+    turn (one process group for all runs: starting processes costs seconds). The server
+    returns one result per config (see :func:`run_ps`); a worker returns ``[]``."""
     # a lost message fails within 60 s; one thread each: W + 1 processes share the cores
     with process_group(rank, world_size, timeout=60):
         num_train, num_test, root = data
         X, y, X_test, y_test = load_arrays(num_train, num_test, root)
         num_workers, results = world_size - 1, []
-        for i, cfg in enumerate(configs):
+        for cfg in configs:
             net = mlp(cfg.num_hiddens, cfg.seed)  # the same start on every process
             dist.barrier()
             if rank > 0:
@@ -200,13 +199,18 @@ def ps_process(rank: int, world_size: int, configs: Sequence[PSConfig],
                 stats = server_async(w, num_workers, cfg.num_grads, cfg.lr)
             seconds = time.perf_counter() - tik
             vector_to_parameters(w, net.parameters())
-            torch.save(w, f"{out}.params-{i}.pt")    # beside out: dist.run's folder
             results.append({**dataclasses.asdict(cfg), **stats, "num_workers": num_workers,
                             "seconds": seconds, "updates_per_sec": stats["updates"] / seconds,
                             "examples_per_sec": cfg.num_grads * cfg.batch_size / seconds,
-                            "test_acc": _test_accuracy(net, X_test, y_test)})
-        if rank == 0:
-            Path(out).write_text(json.dumps(results, indent=1))
+                            "test_acc": _test_accuracy(net, X_test, y_test),
+                            "params": w})
+        for r in results:
+            r["grads_per_worker"] = {k: sum(h.values()) for k, h in r["staleness"].items()}
+            total = collections.Counter()
+            for h in r["staleness"].values():
+                total.update(h)
+            r["staleness_all"] = dict(sorted(total.items()))
+        return results
 
 
 def run_ps(configs: Sequence[PSConfig], num_workers: int = 2, num_train: int | None = None,
@@ -227,21 +231,7 @@ def run_ps(configs: Sequence[PSConfig], num_workers: int = 2, num_train: int | N
         if cfg.num_grads < num_workers:
             raise ValueError(f"num_grads {cfg.num_grads} < {num_workers} workers")
     return run(ps_process, num_workers + 1, list(configs), (num_train, num_test, root),
-               timeout=timeout, read=_read_results)
-
-
-def _read_results(out: str) -> list[dict]:
-    results = json.loads(Path(out).read_text())
-    for i, r in enumerate(results):
-        r["params"] = torch.load(f"{out}.params-{i}.pt")
-        r["staleness"] = {int(k): {int(s): c for s, c in h.items()}   # JSON keys: str
-                          for k, h in r["staleness"].items()}
-        r["grads_per_worker"] = {k: sum(h.values()) for k, h in r["staleness"].items()}
-        total = collections.Counter()
-        for h in r["staleness"].values():
-            total.update(h)
-        r["staleness_all"] = dict(sorted(total.items()))
-    return results
+               on="cpu", timeout=timeout)
 
 
 def sgd_reference(cfg: PSConfig, num_workers: int, X: torch.Tensor, y: torch.Tensor

@@ -133,7 +133,7 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     if animator is None:
         animator = training_animator(
             num_epochs, f"{num_devices} device(s), batch {batch_size}, lr {lr}")
-    timer, step, num_steps = Timer(start=False), 0, num_epochs * len(train_iter)
+    timer, step, num_steps = Timer(devices, start=False), 0, num_epochs * len(train_iter)
     warmup_steps = num_steps // 5     # as in dpbook.jax.scratch.train
     for epoch in range(num_epochs):
         metric = Accumulator(2)      # summed loss, examples

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from typing import Sequence
@@ -62,10 +61,10 @@ def weighted_step(net: torch.nn.Module, X: torch.Tensor, y: torch.Tensor, batch_
 
 
 def split_worker(rank: int, world_size: int, slowdowns: Sequence[float], batch_size: int,
-                 steps: int, lr: float, out: str) -> None:
+                 steps: int, lr: float) -> dict:
     """Train LeNet on a fixed random batch: ``steps`` steps with an even split, measuring
     each rank's examples/s, then ``steps`` steps from the same start with the split in
-    proportion to those measurements. Rank 0 writes both runs' timings (JSON)."""
+    proportion to those measurements. Returns both runs' timings."""
     with process_group(rank, world_size):
         X, y = random_batch(batch_size, seed=0)
         results, weights = {}, None
@@ -95,13 +94,11 @@ def split_worker(rank: int, world_size: int, slowdowns: Sequence[float], batch_s
                               "step_seconds": max(r["step"] for r in ranks),
                               "params": params}
             weights = [r["examples_per_sec"] for r in ranks]   # for the weighted run
-        if rank == 0:
-            difference = (results["even"].pop("params")
-                          - results["weighted"].pop("params")).abs().max().item()
-            with open(out, "w") as f:
-                json.dump({"slowdowns": list(slowdowns), "batch_size": batch_size,
-                           "steps": steps, **results, "max_param_difference": difference,
-                           "hardware": hardware_line([torch.device("cpu")] * world_size)}, f)
+        difference = (results["even"].pop("params")
+                      - results["weighted"].pop("params")).abs().max().item()
+        return {"slowdowns": list(slowdowns), "batch_size": batch_size, "steps": steps,
+                **results, "max_param_difference": difference,
+                "hardware": hardware_line([torch.device("cpu")] * world_size)}
 
 
 def compare_splits(slowdowns: Sequence[float], batch_size: int = 256, steps: int = 20,
@@ -110,7 +107,7 @@ def compare_splits(slowdowns: Sequence[float], batch_size: int = 256, steps: int
     if any(s < 1 for s in slowdowns):
         raise ValueError(f"slowdowns must be >= 1 (1 = full speed), got {list(slowdowns)}")
     return run(split_worker, len(slowdowns), list(slowdowns), batch_size, steps, lr,
-               timeout=timeout)
+               on="cpu", timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -93,13 +93,21 @@ class Shard:
         return self.pad(t)[self.start:self.start + self.size].clone()
 
 
+def _collective(kind: str):
+    """``dist.reduce_scatter_single`` / ``all_gather_single`` (torch >= 2.13), or their older
+    names ``reduce_scatter_tensor`` / ``all_gather_into_tensor``: same arguments."""
+    new = {"reduce_scatter": "reduce_scatter_single", "all_gather": "all_gather_single"}
+    old = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"}
+    return getattr(dist, new[kind], None) or getattr(dist, old[kind])
+
+
 def reduce_scatter_mean(full: torch.Tensor, shard: Shard, traffic: Traffic | None = None
                         ) -> torch.Tensor:
     """Every rank passes its whole tensor (a gradient); each gets back the mean over the
     ranks of its own slice. One reduce-scatter."""
     padded = shard.pad(full).contiguous()
     out = torch.empty(shard.size, dtype=full.dtype, device=full.device)
-    dist.reduce_scatter_single(out, padded, op=dist.ReduceOp.SUM)
+    _collective("reduce_scatter")(out, padded, op=dist.ReduceOp.SUM)
     if traffic is not None:
         traffic.add("reduce-scatter", padded.numel() * padded.element_size())
     return out.div_(shard.world_size)
@@ -110,7 +118,7 @@ def all_gather(part: torch.Tensor, shard: Shard, traffic: Traffic | None = None
     """Every rank passes its slice; each gets back the whole flat tensor (``numel``
     values, the padding dropped). One all-gather."""
     out = torch.empty(shard.padded, dtype=part.dtype, device=part.device)
-    dist.all_gather_single(out, part.contiguous())
+    _collective("all_gather")(out, part.contiguous())
     if traffic is not None:
         traffic.add("all-gather", out.numel() * out.element_size())
     return out[:shard.numel]
@@ -393,15 +401,13 @@ def _train(stage: int, optimizer: str, steps: int, batch_size: int, rank: int,
 
 
 def stage_worker(rank: int, world_size: int, stages: list[int], optimizer: str, steps: int,
-                 batch_size: int, compute_dtype: str | None, out: str) -> None:
-    """Every stage of ``stages`` in turn on this process group; rank 0 saves the results."""
+                 batch_size: int, compute_dtype: str | None) -> dict:
+    """Every stage of ``stages`` in turn on this process group; returns the results."""
     from .dist import process_group
     dtype = getattr(torch, compute_dtype) if compute_dtype else None
     with process_group(rank, world_size):
-        results = {stage: _train(stage, optimizer, steps, batch_size, rank, world_size,
-                                 dtype if stage == 3 else None) for stage in stages}
-        if rank == 0:
-            torch.save(results, out)
+        return {stage: _train(stage, optimizer, steps, batch_size, rank, world_size,
+                              dtype if stage == 3 else None) for stage in stages}
 
 
 def reference(optimizer: str, steps: int, batch_size: int) -> dict[str, torch.Tensor]:
@@ -434,7 +440,7 @@ def compare(nprocs: int, stages: Iterable[int] = (0, 1, 2, 3), optimizer: str = 
         raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
     stages = list(stages)
     results = run(stage_worker, nprocs, stages, optimizer, steps, batch_size, compute_dtype,
-                  timeout=timeout, read=torch.load)
+                  on="cpu", timeout=timeout)
     ref = reference(optimizer, steps, batch_size)
     for r in results.values():
         r["difference"] = max((r["params"][k] - v).abs().max().item() for k, v in ref.items())

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The notebooks under other releases than the pinned ones, each set in its own virtual
+# environment (.venv-<name>, reused while this file is unchanged):
+#
+#   bash tools/compat.sh oldest   # the oldest releases the book accepts (dpbook.versions):
+#                                 # every English notebook at the quick scale
+#   bash tools/compat.sh newest   # the newest torch the registry serves, jax/flax at their
+#                                 # pins: the PyTorch notebooks at the quick scale
+#
+# Called by `make test-compat` and by CI. The versions below and dpbook.versions.MINIMUM
+# must agree: tests/test_core.py checks it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OLDEST="torch==2.6.0 jax==0.8.0 jaxlib==0.8.0 flax==0.11.0 optax==0.2.4"
+NEWEST="torch==2.14.1"
+
+name="${1:?usage: tools/compat.sh oldest|newest}"
+case "$name" in
+  oldest) pins="$OLDEST"; pattern='^(import dpbook|from dpbook)' ;;       # every notebook
+  newest) pins="$NEWEST"; pattern='dpbook import torch|dpbook\.torch' ;;  # the PyTorch ones
+  *) echo "unknown environment $name: oldest or newest" >&2; exit 2 ;;
+esac
+tests=()
+for nb in $(grep -l -E "$pattern" chapters/en/*/*.md | sort); do
+  grep -q '^kernelspec:' "$nb" && tests+=("tests/test_notebooks.py::test_notebook_runs[$nb]")
+done
+
+venv=".venv-$name"
+stamp="$venv/.dpbook-$(cat "$0" requirements.txt code/pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --upgrade pip
+  # the pinned requirements, less the frameworks this environment replaces and the
+  # book-building tools it does not need
+  grep -v -E '^(jupyter-book|playwright|jieba|torch|jax|jaxlib|flax|optax)([=<> ]|$)' \
+    requirements.txt > "$venv/requirements.txt"
+  # shellcheck disable=SC2086
+  "$venv/bin/python" -m pip install --quiet -r "$venv/requirements.txt" $pins \
+    $( [ "$name" = newest ] && grep -E '^(jax|jaxlib|flax|optax)==' requirements.txt )
+  "$venv/bin/python" -m pip install --quiet --no-deps -e code
+  touch "$stamp"
+fi
+"$venv/bin/python" -c 'import importlib.metadata as m
+print("compat:", ", ".join(f"{p} {m.version(p)}" for p in ("torch", "jax", "flax", "optax")))'
+echo "compat: ${#tests[@]} notebooks"
+DPBOOK_SCALE=quick "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=5 "${tests[@]}"
