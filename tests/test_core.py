@@ -10,6 +10,7 @@ import pytest
 
 import dpbook
 from dpbook import config
+from helpers import ROOT
 
 
 def run_python(code: str, **env) -> subprocess.CompletedProcess:
@@ -21,8 +22,9 @@ def run_python(code: str, **env) -> subprocess.CompletedProcess:
 
 def test_scale_default_depends_on_gpu(monkeypatch):
     monkeypatch.delenv("DPBOOK_SCALE", raising=False)
-    assert dpbook.get_scale(has_gpu=False).name == "cpu"
-    assert dpbook.get_scale(has_gpu=True).name == "full"
+    assert dpbook.get_scale(num_gpus=0).name == "cpu"
+    assert dpbook.get_scale(num_gpus=1).name == "cpu"       # one T4: minutes, not hours
+    assert dpbook.get_scale(num_gpus=2).name == "full"
 
 
 def test_scale_from_env_and_argument(monkeypatch):
@@ -269,8 +271,18 @@ def test_version_parsing_and_messages():
     assert versions.parse("0.8.0rc1") == (0, 8, 0)
     assert versions.too_old("jax", "0.10.2") is None
     message = versions.too_old("jax", "0.7.2")
-    assert message.startswith("dpbook needs jax >= 0.8.0 (this is 0.7.2")
-    assert "pip install -U 'jax>=0.8.0'" in message and "\n" not in message
+    assert message.startswith("dpbook needs jax >= 0.8.2 (this is 0.7.2")
+    assert "pip install -U 'jax>=0.8.2'" in message and "\n" not in message
+
+
+def test_the_compat_environment_is_the_minimum():
+    """tools/compat.sh's oldest environment installs exactly versions.MINIMUM."""
+    import re
+    from dpbook import versions
+    text = (ROOT / "tools/compat.sh").read_text()
+    oldest = dict(re.findall(r"(\w+)==([\d.]+)", re.search(r'OLDEST="([^"]*)"', text)[1]))
+    assert {p: oldest[p] for p in versions.MINIMUM} == \
+        {p: v for p, (v, _) in versions.MINIMUM.items()}
 
 
 def test_jax_upgrade_names_the_cuda_plugin(monkeypatch):

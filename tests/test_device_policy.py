@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpbook.torch import (accumulation, allreduce, data_parallel, ddp, ddp_check, ddp_knobs,
+from dpbook.torch import (accumulation, allreduce, ddp_by_hand, ddp, ddp_check, ddp_knobs,
                           dist, fsdp, precision, profiling, ps, unequal, zero)
 
 GPUS = (0, 1, 2, 8)
@@ -29,8 +29,8 @@ DEMOS = {
     "unequal.compare_splits": (lambda: unequal.compare_splits([1, 2]), 2, "cpu"),
     "zero.compare": (lambda: zero.compare(3), 3, "cpu"),
     "fsdp.compare": (lambda: fsdp.compare(2), 2, "cpu"),
-    "data_parallel.compare": (lambda: data_parallel.compare(3), 3, "auto"),
-    "data_parallel.benchmark": (lambda: data_parallel.benchmark(2), 2, "auto"),
+    "ddp_by_hand.compare": (lambda: ddp_by_hand.compare(3), 3, "auto"),
+    "ddp_by_hand.benchmark": (lambda: ddp_by_hand.benchmark(2), 2, "auto"),
     "profiling.profile": (lambda: profiling.profile(2), 2, "auto"),
     "accumulation.compare": (lambda: accumulation.compare(2), 2, "auto"),
     "precision.compare": (lambda: precision.compare(2), 2, "auto"),

@@ -27,7 +27,7 @@ from dpbook.tools import atomic_write
 from dpbook.torch import allreduce as torch_allreduce
 from dpbook.torch import compression
 from dpbook.torch import exercises as torch_exercises
-from dpbook.torch.data_parallel import make_buckets
+from dpbook.torch.ddp_by_hand import make_buckets
 from dpbook.torch import scratch as torch_scratch
 from dpbook.torch import zero
 from dpbook.torch.devices import split_batch

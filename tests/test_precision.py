@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpbook.torch import hooks, precision
+from dpbook.torch import ddp_hooks, precision
 
 pytestmark = pytest.mark.multiprocess     # every test leaves no process behind
 
@@ -31,5 +31,5 @@ def test_mixed_precision_keeps_float32_master_weights_and_halves_the_bytes(fashi
 
 def test_unknown_hook_is_refused():
     with pytest.raises(ValueError, match="unknown hook"):
-        hooks.register(None, "int8")
-    assert hooks.HOOKS["bf16"] is torch.bfloat16
+        ddp_hooks.register(None, "int8")
+    assert ddp_hooks.HOOKS["bf16"] is torch.bfloat16

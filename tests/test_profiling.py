@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpbook.torch import data_parallel, profiling
+from dpbook.torch import ddp_by_hand, profiling
 
 pytestmark = pytest.mark.multiprocess     # every test leaves no process behind
 
@@ -39,7 +39,7 @@ def test_profile_shows_when_each_wrapper_communicates():
     assert len(launch) == len(lanes["allreduce"]) == 1
     assert launch[0] >= backward_end                       # (b): after backward
     from dpbook.torch.models import resnet18
-    buckets = data_parallel.make_buckets(list(resnet18(width=4).parameters()), 0.05)
+    buckets = ddp_by_hand.make_buckets(list(resnet18(width=4).parameters()), 0.05)
     launch, backward_end, lanes = _launches(traces["bucketed"])
     assert len(launch) == len(lanes["allreduce"]) == len(buckets) > 1
     assert launch[0] < backward_end                        # (d): the first bucket leaves early

@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-OLDEST="torch==2.6.0 jax==0.8.0 jaxlib==0.8.0 flax==0.11.0 optax==0.2.4"
+OLDEST="torch==2.6 jax==0.8.2 jaxlib==0.8.2 flax==0.11.0 optax==0.2.4"
 NEWEST="torch==2.14.1"
 
 name="${1:?usage: tools/compat.sh oldest|newest}"

@@ -43,9 +43,17 @@ EDITIONS = {"en": ("_config.yml", "_toc.yml"), "zh": ("_config.zh.yml", "_toc.zh
 
 INSTALL_COMMENT = {
     "en": ("# Install the book's helper package `dpbook` if it is missing (on Colab, for example).\n"
-           "# It does not depend on torch or jax, so pip leaves the installed ones alone."),
+           "# It does not depend on torch or jax, so pip leaves the installed ones alone.\n"
+           "# On Colab the default CPU runtime runs every page as the book shows it (2 CPU\n"
+           "# devices). A T4 GPU runtime has one GPU: the from-scratch replicas share it, the\n"
+           "# demos with several processes run them on the CPU (NCCL takes one GPU per\n"
+           "# process), and JAX's pages use emulated CPU devices. Each page says where it runs."),
     "zh": ("# 如果缺少本书的辅助包 `dpbook`（例如在Colab上），先安装它。\n"
-           "# `dpbook` 不依赖torch和jax，所以pip不会改动已经安装的版本。"),
+           "# `dpbook` 不依赖torch和jax，所以pip不会改动已经安装的版本。\n"
+           "# 在Colab上，默认的CPU运行时会像书中那样运行每一页（2个CPU设备）。\n"
+           "# T4 GPU运行时只有一块GPU：从零实现的各个副本共用这块GPU，多进程的示例在CPU上\n"
+           "# 运行进程（NCCL要求每个进程独占一块GPU），JAX的页面使用模拟的CPU设备。\n"
+           "# 每一页都会打印它在哪里运行。"),
 }
 INSTALL_CODE = """\
 import importlib.util, os, subprocess, sys

@@ -52,16 +52,19 @@ SCALES = {
 }
 
 
-def get_scale(name: str | None = None, *, has_gpu: bool = False) -> Scale:
+def get_scale(name: str | None = None, *, num_gpus: int = 0) -> Scale:
     """Return the :class:`Scale` named ``name``, else ``$DPBOOK_SCALE``, else the default.
 
-    The default is ``full`` when ``has_gpu`` and ``cpu`` otherwise. This core never probes
-    hardware itself: ``dpbook.torch.get_scale`` and ``dpbook.jax.get_scale`` pass ``has_gpu``.
+    The default is ``full`` with two GPUs or more and ``cpu`` otherwise. One GPU (a Colab
+    T4) keeps ``cpu``: the demos with several processes then run on the CPU, as in the
+    book's stored runs, and no page takes more than minutes. This core never probes
+    hardware itself: ``dpbook.torch.get_scale`` and ``dpbook.jax.get_scale`` pass
+    ``num_gpus``.
     """
     if name is None:
         name = os.environ.get("DPBOOK_SCALE", "").strip().lower() or None
     if name is None:
-        name = "full" if has_gpu else "cpu"
+        name = "full" if num_gpus >= 2 else "cpu"
     try:
         return SCALES[name]
     except KeyError:

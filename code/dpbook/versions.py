@@ -26,8 +26,9 @@ __all__ = ["MINIMUM", "VersionError", "parse", "installed", "too_old", "upgrade_
 #: package → (oldest release, what older ones lack)
 MINIMUM: dict[str, tuple[str, str]] = {
     "torch": ("2.6", "torch.distributed.get_default_backend_for_device"),
-    "jax": ("0.8.0", "jax.shard_map with check_vma and lax.pcast, pmap built on shard_map"),
-    "flax": ("0.10.0", "flax.linen as the chapters use it with jax >= 0.8"),
+    "jax": ("0.8.2", "lax.pcast (jax 0.8.0 and 0.8.1 have jax.shard_map with check_vma but "
+                     "not lax.pcast)"),
+    "flax": ("0.11.0", "nnx.Optimizer.update(model, grads)"),
     "optax": ("0.2.4", "optax releases that support jax >= 0.8"),
 }
 

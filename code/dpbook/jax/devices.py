@@ -72,8 +72,8 @@ class Timer(tools.Timer):
 
 
 def get_scale(name: str | None = None) -> config.Scale:
-    """:func:`dpbook.get_scale` with the default chosen by ``jax.default_backend()``."""
-    return config.get_scale(name, has_gpu=jax.default_backend() == "gpu")
+    """:func:`dpbook.get_scale` with the default chosen by the number of GPUs."""
+    return config.get_scale(name, num_gpus=len(_gpus()))
 
 
 def hardware_line(devices: Sequence[jax.Device] | None = None) -> str:

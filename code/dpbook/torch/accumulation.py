@@ -14,7 +14,7 @@ sends the accumulated gradients::
     optimizer.step()
 
 :func:`compare` checks this against one step on the whole batch and counts the
-allreduce calls with a DDP communication hook (:func:`dpbook.torch.hooks.counting_hook`).
+allreduce calls with a DDP communication hook (:func:`dpbook.torch.ddp_hooks.counting_hook`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .data import random_batch
 from .devices import full_float32, hardware_line, synchronize
 from .dist import group_devices, process_group, run
-from .hooks import register
+from .ddp_hooks import register
 
 __all__ = ["accumulate_step", "compare", "compare_worker"]
 

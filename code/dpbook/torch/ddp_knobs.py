@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .devices import full_float32, hardware_line
 from .dist import group_devices, process_group, run, slowest_seconds
-from .hooks import BucketLog, recording_hook
+from .ddp_hooks import BucketLog, recording_hook
 from .models import lenet
 
 __all__ = ["DEFAULT_SETTINGS", "knobs_worker", "compare", "WithUnusedLayer",

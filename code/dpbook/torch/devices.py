@@ -81,8 +81,8 @@ def full_float32() -> None:
 
 
 def get_scale(name: str | None = None) -> config.Scale:
-    """:func:`dpbook.get_scale` with the default chosen by ``torch.cuda.is_available()``."""
-    return config.get_scale(name, has_gpu=torch.cuda.is_available())
+    """:func:`dpbook.get_scale` with the default chosen by ``torch.cuda.device_count()``."""
+    return config.get_scale(name, num_gpus=torch.cuda.device_count())
 
 
 def hardware_line(devices: Sequence[torch.device] | None = None) -> str:

@@ -162,7 +162,7 @@ def check_buckets(fn: Callable[[Sequence[int], int], list[list[int]]], quiet: bo
     """Check ``fn(sizes, cap) -> buckets``: ``sizes[i]`` is the bytes of parameter ``i`` in
     the order of ``model.parameters()``; each bucket lists parameter indices, filled in
     reverse order (the order backward produces the gradients) up to ``cap`` bytes, like
-    :func:`dpbook.torch.data_parallel.make_buckets`."""
+    :func:`dpbook.torch.ddp_by_hand.make_buckets`."""
     cases = [(f"sizes {sizes}, cap {cap}", (sizes, cap)) for sizes, cap in (
         ([4], 10), ([4, 4], 10), ([4, 4, 4], 10), ([8, 4], 10), ([20], 10), ([4, 20, 4], 10),
         ([1, 2, 3, 4, 5], 6), ([3, 3, 3, 3], 6), ([6, 1, 6], 6), ([5, 5, 5, 5, 5], 100))]

@@ -23,7 +23,7 @@ from .data import fashion_mnist_datasets
 from .devices import hardware_line, synchronize
 from .dist import group_devices, process_group, run
 from .evaluate import accuracy
-from .hooks import register
+from .ddp_hooks import register
 from .models import lenet
 
 __all__ = ["Precision", "PRECISIONS", "compare", "train_worker"]
@@ -33,7 +33,7 @@ __all__ = ["Precision", "PRECISIONS", "compare", "train_worker"]
 class Precision:
     """How one run computes and communicates: ``compute`` is the autocast type (``None``:
     float32 everywhere), ``hook`` the type the gradients travel in (a key of
-    :data:`dpbook.torch.hooks.HOOKS`)."""
+    :data:`dpbook.torch.ddp_hooks.HOOKS`)."""
 
     name: str
     compute: torch.dtype | None = None

@@ -1,7 +1,7 @@
 """Seeing the overlap: one training step of a data-parallel wrapper, recorded with
 ``torch.profiler`` on real processes, and read back as two lanes, backward and allreduce.
 
-:func:`profile` returns a Chrome trace per wrapper of :mod:`dpbook.torch.data_parallel`
+:func:`profile` returns a Chrome trace per wrapper of :mod:`dpbook.torch.ddp_by_hand`
 (or DDP); :func:`timeline` turns a trace into ``(start, length)`` spans of the backward
 functions and of the allreduce; :func:`overlap_fraction` is the share of allreduce time
 that ran during backward.
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from .data_parallel import sync_gradients, wrap
+from .ddp_by_hand import sync_gradients, wrap
 from .dist import process_group, run
 
 __all__ = ["profile", "profile_worker", "timeline", "overlap_fraction"]

@@ -342,7 +342,7 @@ def _train(stage: int, optimizer: str, steps: int, batch_size: int, rank: int,
     """``steps`` steps of LeNet at ``stage`` (0: DDP) on this rank's share of each batch;
     the final parameters, one step's traffic and the bytes held, by category."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from .hooks import register
+    from .ddp_hooks import register
     from .models import lenet
     cls, kwargs = OPTIMIZERS[optimizer]
     torch.manual_seed(0)

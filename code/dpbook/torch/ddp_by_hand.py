@@ -22,7 +22,7 @@ wrapper                         allreduce calls per step     starts communicatin
 ==============================  ===========================  ==========================
 
 :func:`compare` runs each on real gloo processes against DDP; :func:`benchmark` times
-them; ``python -m dpbook.torch.data_parallel --nprocs 2`` does both.
+them; ``python -m dpbook.torch.ddp_by_hand --nprocs 2`` does both.
 :mod:`dpbook.torch.profiling` records one step of each and shows the overlap.
 """
 from __future__ import annotations
@@ -333,7 +333,7 @@ def benchmark(nprocs: int, names: Sequence[str] = tuple(WRAPPERS), batch_size: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dpbook.torch.data_parallel",
+    parser = argparse.ArgumentParser(prog="python -m dpbook.torch.ddp_by_hand",
                                      description="Check the hand-written DDP wrappers "
                                                  "against DDP and time them.")
     parser.add_argument("--nprocs", type=int, default=2)
