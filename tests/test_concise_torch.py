@@ -22,6 +22,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(),
                              reason="checks what nn.DataParallel does without CUDA")
 
 
+@pytest.mark.pins         # pins a framework's behaviour (see pytest.ini)
 @NO_CUDA
 def test_data_parallel_is_a_no_op_on_cpu():
     """Sentinel: if PyTorch ever makes DataParallel do something on CPUs, the book must change."""
@@ -166,6 +167,7 @@ def test_torchrun_command_line(fashion_mnist_dir):
     assert "hardware | " in result.stdout
 
 
+@pytest.mark.pins         # pins a framework's behaviour (see pytest.ini)
 @NO_CUDA
 @pytest.mark.timeout(120)
 def test_sync_batchnorm_needs_a_gpu():

@@ -316,9 +316,10 @@ def test_importing_with_an_old_release_says_how_to_upgrade(tmp_path, package, mo
     assert versions_ok.returncode == 0, versions_ok.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", _parts()["core"])
-def test_core_docstring_examples(name):
-    """The ``>>>`` examples in the framework-free modules' docstrings hold."""
+@pytest.mark.parametrize("name", [n for part in _parts().values() for n in part])
+def test_docstring_examples(name):
+    """The ``>>>`` examples in every module's docstrings hold: the core's, and those of
+    the PyTorch and JAX parts (jax sees the emulated devices conftest set up)."""
     import doctest
     import importlib
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)

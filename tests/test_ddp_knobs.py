@@ -10,6 +10,7 @@ from dpbook.torch import ddp_knobs
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
+@pytest.mark.pins         # pins a framework's behaviour (see pytest.ini)
 @pytest.mark.parametrize("nprocs", [2, 3])
 def test_knobs(nprocs):
     settings = ddp_knobs.DEFAULT_SETTINGS if nprocs == 2 else \

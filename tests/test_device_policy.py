@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dpbook.torch import (accumulation, allreduce, ddp_by_hand, ddp, ddp_check, ddp_knobs,
-                          dist, fsdp, precision, profiling, ps, unequal, zero)
+                          dist, fsdp, messages, precision, profiling, ps, unequal, zero)
 
 GPUS = (0, 1, 2, 8)
 
@@ -24,7 +24,7 @@ class _Started(Exception):
 DEMOS = {
     "allreduce.check": (lambda: allreduce.check(4), 4, "cpu"),
     "allreduce.benchmark": (lambda: allreduce.benchmark(2, [1024]), 2, "cpu"),
-    "allreduce.record": (lambda: allreduce.record("ring", 4), 4, "cpu"),
+    "messages.record": (lambda: messages.record("ring", 4), 4, "cpu"),
     "ps.run_ps": (lambda: ps.run_ps([ps.PSConfig()], num_workers=2), 3, "cpu"),
     "unequal.compare_splits": (lambda: unequal.compare_splits([1, 2]), 2, "cpu"),
     "zero.compare": (lambda: zero.compare(3), 3, "cpu"),

@@ -448,7 +448,7 @@ def pipelined_ring(x, segments=3):  # exercise 2: each chunk in segments, added 
 
 PROCESS_CASES = [
     (torch_allreduce.ring_allreduce, False, None),
-    (torch_allreduce.bidirectional_ring_allreduce, True, None),
+    (torch_allreduce._bidirectional_ring_allreduce, True, None),
     (pipelined_ring, False, None),
     (torch_allreduce.ring_allreduce, True, "ring-process-both-ways"),
     (two_process_ring, False, "ring-process-sum"),

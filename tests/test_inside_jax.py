@@ -96,6 +96,7 @@ def test_memory_shrinks_with_micro_batches_and_donation_aliases_the_state():
     assert max_abs_difference(new.params, step.make_step(mesh)(state, X, y)[0].params) == 0
 
 
+@pytest.mark.pins         # pins a framework's behaviour (see pytest.ini)
 @pytest.mark.parametrize("n", [2, 3])
 def test_mixed_precision_keeps_float32_master_weights(n):
     mesh, state, X, y = place(n)
@@ -118,6 +119,7 @@ def test_type_bytes():
     assert hlo.type_bytes("(f32[128,800]{1,0}, s32[10]{0})") == 4 * 128 * 800 + 40
 
 
+@pytest.mark.pins         # pins a framework's behaviour (see pytest.ini)
 def test_schedule_puts_the_allreduce_after_backward_work():
     mesh, state, X, y = place(2)
     rows = hlo.schedule(step.make_step(mesh), state, X, y)

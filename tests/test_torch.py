@@ -24,7 +24,7 @@ def test_try_gpu_falls_back_to_cpu():
 def test_get_devices(monkeypatch):
     monkeypatch.delenv("DPBOOK_NUM_DEVICES", raising=False)
     n = torch.cuda.device_count()
-    assert len(dp.get_devices()) == (n or 2)
+    assert len(dp.get_devices()) == max(n, 2)
     monkeypatch.setenv("DPBOOK_NUM_DEVICES", "1")
     assert len(dp.get_devices()) == 1
     if n == 0:
@@ -33,10 +33,17 @@ def test_get_devices(monkeypatch):
         dp.get_devices(0)
 
 
-@pytest.mark.gpu
-def test_get_devices_refuses_more_gpus_than_exist():
-    with pytest.raises(ValueError, match="GPU"):
-        dp.get_devices(torch.cuda.device_count() + 1)
+@pytest.mark.parametrize("num_gpus", [1, 2])
+def test_more_devices_than_gpus_are_replicas_that_share_them(monkeypatch, num_gpus):
+    """One GPU still shows data parallelism: replica i goes to GPU i % g, and the reader
+    is told that the replicas share a GPU (simulated GPUs: nothing runs on them)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: num_gpus)
+    devices = dp.get_devices(3)
+    assert devices == [torch.device(f"cuda:{i % num_gpus}") for i in range(3)]
+    assert dp.devices_note(devices).startswith("3 replicas on cuda:0")
+    assert dp.devices_note([torch.device(f"cuda:{i}") for i in range(num_gpus)]) is None
+    monkeypatch.delenv("DPBOOK_NUM_DEVICES", raising=False)
+    assert len(dp.get_devices()) == 2                        # one GPU: 2 replicas by default
 
 
 @pytest.mark.parametrize("n, k, sizes", [(8, 2, [4, 4]), (10, 4, [3, 3, 2, 2]), (4, 4, [1] * 4)])
@@ -120,3 +127,23 @@ def test_load_data_fashion_mnist(fashion_mnist_dir):
                                              normalize=True)
     torch.testing.assert_close(next(iter(standard))[0],
                                (X - FASHION_MNIST_MEAN) / FASHION_MNIST_STD)
+
+
+def test_building_the_books_models_leaves_the_readers_generator_alone():
+    """The helpers that build a model from a seed (the concise chapter's ResNet state, the
+    DDP script's model, the parameter server's MLP, the exercises' models) draw inside
+    `seeded`, so a notebook's next random numbers do not depend on whether it called one."""
+    from dpbook.torch import concise, ddp, exercises, ps, zero
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    concise.init_resnet18(4)
+    ddp.build_model(ddp.Config(model="lenet"))
+    ps.mlp(16)
+    exercises._step_model(), exercises._accumulation_model()
+    zero.reference(next(iter(zero.OPTIMIZERS)), 1, 6)
+    assert torch.equal(torch.rand(3), expected)
+    with dp.seeded(0):
+        a = torch.rand(2)
+    with dp.seeded(0):
+        assert torch.equal(torch.rand(2), a)

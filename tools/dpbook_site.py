@@ -27,6 +27,7 @@ import hashlib
 import html
 import json
 import re
+import shutil
 from pathlib import Path
 
 import yaml
@@ -118,14 +119,18 @@ def on_builder_inited(app):
 
 
 def on_build_finished(app, exception):
-    """Write the generated notebooks into the site, for the download links."""
+    """Copy the generated notebooks (``notebooks/``, written by tools/notebooks.py and kept
+    current by its ``--check``) into the site, for the download links."""
     if exception is not None or app.builder.format != "html":
         return
     lang = edition(app)
     for entry in notebooks.notebook_entries(lang):
-        path = Path(app.outdir) / notebooks.notebook_path(entry).relative_to(notebooks.ROOT)
+        generated = notebooks.notebook_path(entry)
+        if not generated.is_file():
+            raise FileNotFoundError(f"{generated} is missing: run `make notebooks`")
+        path = Path(app.outdir) / generated.relative_to(notebooks.ROOT)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(notebooks.render(notebooks.to_ipynb(entry, lang)), encoding="utf8")
+        shutil.copyfile(generated, path)
 
 
 class GlossaryDirective(SphinxDirective):

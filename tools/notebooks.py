@@ -24,22 +24,20 @@ before running anything; a Chinese notebook carries its English twin's.
 from __future__ import annotations
 
 import argparse
-import ast
-import io
 import json
 import re
 import sys
 import textwrap
-import tokenize
 from pathlib import Path
 
 import jupytext
 import nbformat
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from sources import (EDITIONS, ROOT, is_notebook, load, notebook_entries,  # noqa: F401
+                     stored_path, strip_comments, toc_entries)
+
 OUT = ROOT / "notebooks"
-EDITIONS = {"en": ("_config.yml", "_toc.yml"), "zh": ("_config.zh.yml", "_toc.zh.yml")}
 
 INSTALL_COMMENT = {
     "en": ("# Install the book's helper package `dpbook` if it is missing (on Colab, for example).\n"
@@ -97,39 +95,6 @@ def colab_url(entry: str, lang: str) -> str:
         f"/blob/{branch}/{notebook_path(entry).relative_to(ROOT).as_posix()}"
 
 
-def toc_entries(lang: str) -> list[str]:
-    """Every file of an edition's toc, in reading order (paths without suffix)."""
-    toc = yaml.safe_load((ROOT / EDITIONS[lang][1]).read_text(encoding="utf8"))
-    entries = [toc["root"]]
-
-    def walk(items):
-        for item in items or []:
-            if "file" in item:
-                entries.append(item["file"])
-            walk(item.get("sections"))
-            walk(item.get("chapters"))
-            for part in item.get("parts") or []:
-                walk(part.get("chapters"))
-
-    walk(toc.get("chapters"))
-    for part in toc.get("parts") or []:
-        walk(part.get("chapters"))
-    return entries
-
-
-def is_notebook(path: Path) -> bool:
-    head = path.read_text(encoding="utf8")[:400]
-    return head.startswith("---") and "jupytext:" in head
-
-
-def strip_comments(code: str) -> str:
-    """Code without comments and trailing spaces (what the two editions must share)."""
-    tokens = [t for t in tokenize.generate_tokens(io.StringIO(code).readline)
-              if t.type != tokenize.COMMENT]
-    text = tokenize.untokenize(tokens)
-    return "\n".join(line.rstrip() for line in text.splitlines() if line.strip())
-
-
 def with_outputs_of(nb: nbformat.NotebookNode, executed: nbformat.NotebookNode,
                     name: str = "notebook") -> nbformat.NotebookNode:
     """``nb`` with the outputs of ``executed``, cell by cell; raise ValueError unless
@@ -146,10 +111,6 @@ def with_outputs_of(nb: nbformat.NotebookNode, executed: nbformat.NotebookNode,
     return nb
 
 
-def notebook_entries(lang: str) -> list[str]:
-    return [e for e in toc_entries(lang) if is_notebook(ROOT / f"{e}.md")]
-
-
 def notebook_path(entry: str) -> Path:
     """``chapters/en/from-scratch/pytorch`` → ``notebooks/en/from-scratch/pytorch.ipynb``."""
     parts = Path(entry).parts
@@ -158,21 +119,16 @@ def notebook_path(entry: str) -> Path:
 
 
 def pyobject_source(path: Path, name: str) -> str:
-    """The source of the top-level function or class ``name`` in ``path``, or of a method
-    (``Class.method``, dedented), as Sphinx's ``:pyobject:`` finds them."""
-    text = path.read_text(encoding="utf8")
-    body = ast.parse(text).body
-    *outer, last = name.split(".")
-    for part in outer:                      # into the class, for Class.method
-        body = next((n.body for n in body if isinstance(n, ast.ClassDef) and n.name == part),
-                    [])
-    for node in body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
-                and node.name == last:
-            lines = text.splitlines()
-            start = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 1
-            return textwrap.dedent("\n".join(lines[start:node.end_lineno]))
-    raise LookupError(f"{name} is not defined in {path}")
+    """The source of the function or class ``name`` in ``path``, or of a method
+    (``Class.method``, dedented): what Sphinx's ``:pyobject:`` shows, found by the same
+    analyzer (``sphinx.pycode.ModuleAnalyzer``)."""
+    from sphinx.pycode import ModuleAnalyzer
+    tags = ModuleAnalyzer.for_file(str(path), "").find_tags()
+    if name not in tags:
+        raise LookupError(f"{name} is not defined in {path}")
+    _, start, end = tags[name]
+    lines = path.read_text(encoding="utf8").splitlines()[start - 1:end]
+    return textwrap.dedent("\n".join(lines)).rstrip()
 
 
 FENCE = re.compile(r"^(?P<fence>```+|:::+)\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n"
@@ -262,9 +218,8 @@ OUTPUTS_SCALE = "cpu"     # the generated notebooks show the outputs of this sca
 
 def stored_run(entry: str) -> nbformat.NotebookNode | None:
     """The stored run (tools/runs.py) of ``entry``'s English twin, if there is one."""
-    import runs
     twin = re.sub(r"^chapters/\w+/", "chapters/en/", entry)
-    return runs.load(runs.stored_path(twin, OUTPUTS_SCALE))
+    return load(stored_path(twin, OUTPUTS_SCALE))
 
 
 def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:

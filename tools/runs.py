@@ -46,9 +46,8 @@ from pathlib import Path
 import jupytext
 import nbformat
 
-from notebooks import ROOT, notebook_entries, strip_comments  # tools/notebooks.py
-
-STORE = ROOT / "outputs"                  # outputs/<scale>/<slug>/<name>.ipynb
+from sources import (ROOT, STORE, load, notebook_entries, stored_path,  # noqa: F401
+                     strip_comments)
 CODE = ROOT / "code"                      # where the dpbook package's sources are
 FRAMEWORKS = ("torch", "jax", "flax", "optax")
 MODES = ("auto", "all")                   # DPBOOK_EXECUTE
@@ -68,13 +67,6 @@ print("dpbook-run-probe " + _json.dumps({
 def english_source(entry: str) -> Path:
     """``chapters/en/concise/jax`` → the path of its MyST source."""
     return ROOT / f"{entry}.md"
-
-
-def stored_path(entry: str, scale: str, store: Path = STORE) -> Path:
-    """``chapters/en/concise/jax`` → ``<store>/<scale>/concise/jax.ipynb``."""
-    parts = Path(entry).parts
-    assert parts[:2] == ("chapters", "en"), f"only English notebooks are stored: {entry}"
-    return store.joinpath(scale, *parts[2:]).with_suffix(".ipynb")
 
 
 def _sha(text: str) -> str:
@@ -255,10 +247,6 @@ def save(nb: nbformat.NotebookNode, path: Path) -> Path:
     text = json.dumps(lean(nb), indent=1, ensure_ascii=False, sort_keys=True) + "\n"
     path.write_text(text, encoding="utf8")
     return path
-
-
-def load(path: Path) -> nbformat.NotebookNode | None:
-    return nbformat.read(path, as_version=4) if path.is_file() else None
 
 
 def current(entry: str, scale: str,

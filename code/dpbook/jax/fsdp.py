@@ -36,8 +36,8 @@ def fsdp_spec(shape: Sequence[int], num_devices: int) -> P:
     """Shard the largest dimension of ``shape`` that ``num_devices`` divides; ``P()``
     (replicated) if none does.
 
-    >>> fsdp_spec((800, 128), 4), fsdp_spec((5, 5, 20, 50), 4), fsdp_spec((10,), 4)
-    (PartitionSpec('devices', None), PartitionSpec(None, None, 'devices', None), PartitionSpec())
+    >>> [tuple(fsdp_spec(shape, 4)) for shape in ((800, 128), (5, 5, 20, 50), (10,))]
+    [('devices', None), (None, None, 'devices', None), ()]
     """
     for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
         if shape[d] % num_devices == 0:

@@ -16,7 +16,7 @@ from ..tools import Accumulator, TrainResult, benchmark, cosine_lr
 from .data import load_data_fashion_mnist
 from .devices import (Timer, devices_note, full_float32, get_devices, get_scale,
                       hardware_line, split_batch, synchronize, try_all_gpus, try_gpu)
-from .models import Residual, lenet, lenet5, num_params, resnet18
+from .models import Residual, lenet, lenet5, num_params, resnet18, seeded
 from .evaluate import accuracy, evaluate_accuracy, evaluate_accuracy_gpus
 
 __all__ = ["SCALES", "Scale", "num_devices", "get_fashion_mnist_labels", "read_fashion_mnist",
@@ -24,5 +24,5 @@ __all__ = ["SCALES", "Scale", "num_devices", "get_fashion_mnist_labels", "read_f
            "load_data_fashion_mnist", "Timer", "devices_note", "full_float32", "get_devices",
            "get_scale", "hardware_line",
            "split_batch", "synchronize", "try_all_gpus", "try_gpu", "Residual", "lenet",
-           "lenet5", "num_params", "resnet18", "accuracy", "evaluate_accuracy",
+           "lenet5", "num_params", "resnet18", "seeded", "accuracy", "evaluate_accuracy",
            "evaluate_accuracy_gpus"]

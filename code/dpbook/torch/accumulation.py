@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .data import random_batch
+from .evaluate import max_abs_difference
 from .devices import full_float32, hardware_line, synchronize
 from .dist import group_devices, process_group, run
 from .ddp_hooks import register
@@ -96,11 +97,10 @@ def compare_worker(rank: int, world_size: int, kind: str, ks: Sequence[int], mic
                                "bytes_per_step": counter.bytes / steps,
                                "seconds_per_step": seconds / steps}
             for way in ("accumulated", "every"):
-                record[way]["max_difference"] = max(
-                    (a - b).abs().max().item() for a, b in zip(finals[way], finals["whole"]))
+                record[way]["max_difference"] = max_abs_difference(finals[way],
+                                                                   finals["whole"])
             start = [p.detach() for p in _model(kind).parameters()]
-            record["moved"] = max((a - b).abs().max().item()
-                                  for a, b in zip(finals["whole"], start))
+            record["moved"] = max_abs_difference(finals["whole"], start)
             results.append(record)
         return {
             "model": kind, "micro_batch": micro_batch, "results": results,

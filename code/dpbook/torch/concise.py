@@ -22,7 +22,7 @@ from ..plot import Animator, training_animator
 from ..tools import Accumulator, TrainResult
 from .data import load_data_fashion_mnist
 from .devices import Timer, get_devices, get_scale, hardware_line
-from .models import resnet18
+from .models import resnet18, seeded
 from .evaluate import evaluate_accuracy_gpus
 
 __all__ = ["init_resnet18", "data_parallel_info", "train"]
@@ -34,8 +34,8 @@ def init_resnet18(width: int, seed: int = 0) -> dict[str, torch.Tensor]:
     Every run of the chapter loads this same state, so runs with different device counts
     or batch sizes start from identical parameters (d2l re-initialises between runs).
     """
-    torch.manual_seed(seed)
-    return copy.deepcopy(resnet18(width=width).state_dict())
+    with seeded(seed):
+        return copy.deepcopy(resnet18(width=width).state_dict())
 
 
 def data_parallel_info(net: nn.Module) -> str:

@@ -47,9 +47,9 @@ from torch.utils.data.distributed import DistributedSampler
 from ..tools import atomic_write
 from .data import fashion_mnist_datasets
 from .devices import get_scale, hardware_line
-from .dist import group_devices, process_group, rank_from_env, run
+from .dist import group_devices, per_process, process_group, rank_from_env, run
 from .evaluate import accuracy
-from .models import lenet, resnet18
+from .models import lenet, resnet18, seeded
 
 __all__ = ["Config", "build_model", "train_worker", "train_epoch", "save_checkpoint",
            "resume", "crash_if_asked", "register_comm_hook", "spawn_train", "parser", "main"]
@@ -101,12 +101,11 @@ class Config:
 
 def build_model(cfg: Config) -> nn.Module:
     """The model of ``cfg``, initialized from ``cfg.seed`` (the same on every process)."""
-    torch.manual_seed(cfg.seed)
-    if cfg.model == "resnet18":
-        return resnet18(width=get_scale(cfg.scale).resnet_width)
-    if cfg.model == "lenet":
-        return lenet()
-    raise ValueError(f"unknown model {cfg.model!r}: choose 'resnet18' or 'lenet'")
+    if cfg.model not in ("resnet18", "lenet"):
+        raise ValueError(f"unknown model {cfg.model!r}: choose 'resnet18' or 'lenet'")
+    with seeded(cfg.seed):
+        return (resnet18(width=get_scale(cfg.scale).resnet_width)
+                if cfg.model == "resnet18" else lenet())
 
 
 def _datasets(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
@@ -120,13 +119,6 @@ def _datasets(cfg: Config) -> tuple[TensorDataset, TensorDataset]:
 def _epochs(cfg: Config) -> int:
     scale = get_scale(cfg.scale)
     return cfg.epochs or (scale.resnet_epochs if cfg.model == "resnet18" else scale.num_epochs)
-
-
-def _per_process(cfg: Config, world_size: int) -> int:
-    if cfg.batch_size % world_size:
-        raise ValueError(f"batch size {cfg.batch_size} does not divide by "
-                         f"{world_size} processes")
-    return cfg.batch_size // world_size
 
 
 def _log(rank: int, world_size: int, message: str) -> None:
@@ -155,11 +147,11 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
     returns the run's results (the same on every rank)."""
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // world_size)
     with process_group(rank, world_size, local_rank, threads=threads, on=cfg.device) as device:
-        per_process = _per_process(cfg, world_size)
+        share = per_process(cfg.batch_size, world_size)
         train, test = _datasets(cfg)
         sampler = DistributedSampler(train, num_replicas=world_size, rank=rank,
                                      shuffle=True, seed=cfg.seed)
-        train_iter = DataLoader(train, per_process, sampler=sampler)
+        train_iter = DataLoader(train, share, sampler=sampler)
         net = build_model(cfg).to(device)
         optimizer = torch.optim.SGD(net.parameters(), lr=cfg.lr)
         start_epoch = resume(cfg, net, optimizer, device, rank, world_size)
@@ -167,7 +159,7 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
         count_bytes = register_comm_hook(net, cfg.comm_hook, cfg.threshold)
         _log(rank, world_size, f"backend {dist.get_backend()}, {world_size} process(es) on "
              f"{device.type}, {threads} thread(s) each, global batch {cfg.batch_size} = "
-             f"{world_size} x {per_process}")
+             f"{world_size} x {share}")
         history, steps = [], 0
         for epoch in range(start_epoch, _epochs(cfg)):
             crash_if_asked(cfg, rank, epoch)
@@ -177,7 +169,7 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
             steps += taken
             for buffer in net.module.buffers():   # BatchNorm running stats: take rank 0's
                 dist.broadcast(buffer, src=0)
-            test_acc = _evaluate(net.module, test, rank, world_size, device, per_process)
+            test_acc = _evaluate(net.module, test, rank, world_size, device, share)
             history.append({"epoch": epoch + 1, "train_loss": loss, "test_acc": test_acc,
                             "seconds": seconds, "examples_per_sec": examples / seconds,
                             "bytes_sent": count_bytes(steps)})

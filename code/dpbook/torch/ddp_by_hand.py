@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .evaluate import max_abs_difference
 from .devices import full_float32, hardware_line
 from .dist import group_devices, process_group, run, slowest_seconds
 
@@ -268,10 +269,8 @@ def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, 
                                  "buckets": len(getattr(model, "buckets", [])) or None}
         start = [p.detach() for p in _model(kind, 0).parameters()]
         for name in names:
-            results[name]["max_difference"] = max(
-                (a - b).abs().max().item() for a, b in zip(finals[name], finals["ddp"]))
-        results["moved"] = max((a - b).abs().max().item()
-                               for a, b in zip(finals["ddp"], start))
+            results[name]["max_difference"] = max_abs_difference(finals[name], finals["ddp"])
+        results["moved"] = max_abs_difference(finals["ddp"], start)
         return results
 
 

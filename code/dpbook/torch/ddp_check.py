@@ -11,8 +11,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .data import random_batch
 from .ddp import Config, build_model
+from .evaluate import max_abs_difference
 from .devices import full_float32
-from .dist import process_group, run
+from .dist import per_process, process_group, run
 
 __all__ = ["step_worker", "ddp_step_difference", "sync_batchnorm_status",
            "max_checkpoint_difference"]
@@ -45,8 +46,7 @@ def ddp_step_difference(nprocs: int, model: str = "lenet", batch_size: int = 64,
     network has BatchNorm, where DDP computes ``"shards"``: each process normalizes its
     shard with the shard's own statistics.
     """
-    if batch_size % nprocs:
-        raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
+    per_process(batch_size, nprocs)          # refuses what does not divide
     # parameters; BatchNorm's running stats are buffers
     ddp_state = run(step_worker, nprocs, model, batch_size, lr, seed, timeout=timeout)
     X, y = random_batch(batch_size, seed)
@@ -61,8 +61,9 @@ def ddp_step_difference(nprocs: int, model: str = "lenet", batch_size: int = 64,
                        in zip(X.chunk(nprocs), y.chunk(nprocs))) / nprocs
         loss.backward()
         optimizer.step()
-        result[reference] = max((ddp_state[name] - p).abs().max().item()
-                                for name, p in net.named_parameters())
+        result[reference] = max_abs_difference({k: ddp_state[k] for k, _ in
+                                                net.named_parameters()},
+                                               dict(net.named_parameters()))
     return result
 
 
@@ -95,4 +96,4 @@ def max_checkpoint_difference(a: str | os.PathLike | dict, b: str | os.PathLike 
             for x in (a, b))
     if a.keys() != b.keys():
         raise ValueError("the checkpoints hold different models")
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    return max_abs_difference(a, b)

@@ -22,8 +22,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .evaluate import max_abs_difference
 from .devices import full_float32, hardware_line
-from .dist import group_devices, process_group, run, slowest_seconds
+from .dist import group_devices, per_process, process_group, run, slowest_seconds
 from .ddp_hooks import BucketLog, recording_hook
 from .models import lenet
 
@@ -96,8 +97,7 @@ def knobs_worker(rank: int, world_size: int, settings: Sequence[dict], batch_siz
                 "grad_storages": len({p.grad.untyped_storage().data_ptr()
                                       for p in model.module.parameters()}),
                 "seconds_per_step": statistics.median(times),
-                "difference": max((p - q).abs().max().item() for p, q
-                                  in zip(model.module.parameters(), reference))})
+                "difference": max_abs_difference(model.module.parameters(), reference)})
         return {
             "results": results,
             "param_bytes": sum(p.numel() * p.element_size() for p in reference),
@@ -109,8 +109,7 @@ def compare(nprocs: int, settings: Sequence[dict] = DEFAULT_SETTINGS, batch_size
     """Run :func:`knobs_worker` on ``nprocs`` processes: ``{"results": [...],
     "param_bytes": ..., "hardware": ...}``, one result per setting (see the module's
     docstring). A setting is a dict of ``DistributedDataParallel`` keyword arguments."""
-    if batch_size % nprocs:
-        raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
+    per_process(batch_size, nprocs)          # refuses what does not divide
     for setting in settings:
         unknown = set(setting) - {"bucket_cap_mb", "gradient_as_bucket_view", "static_graph",
                                   "find_unused_parameters"}

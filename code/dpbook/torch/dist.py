@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 from ..launch import free_port
 
 __all__ = ["free_port", "Placement", "placement", "launcher_placement", "spawn", "run",
-           "init_process", "process_group", "group_devices", "slowest_seconds", "LAUNCHER_VARIABLES",
+           "init_process", "process_group", "per_process", "group_devices", "slowest_seconds", "LAUNCHER_VARIABLES",
            "rank_from_env", "torchrun_command"]
 
 #: What a demo may ask for: ``"auto"`` (one GPU per process if the machine has enough,
@@ -240,6 +240,18 @@ def process_group(rank: int, world_size: int, local_rank: int | None = None,
         yield device
     finally:
         dist.destroy_process_group()
+
+
+def per_process(batch_size: int, nprocs: int) -> int:
+    """Each process's share of a global batch of ``batch_size`` examples; a batch that
+    does not divide evenly is refused (every demo here gives every process as many).
+
+    >>> per_process(256, 4)
+    64
+    """
+    if nprocs < 1 or batch_size % nprocs:
+        raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
+    return batch_size // nprocs
 
 
 def group_devices(device: torch.device) -> list[torch.device]:

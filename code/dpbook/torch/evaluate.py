@@ -11,7 +11,21 @@ from torch import nn
 from ..tools import Accumulator
 from .devices import split_batch
 
-__all__ = ["accuracy", "evaluate_accuracy", "evaluate_accuracy_gpus"]
+__all__ = ["accuracy", "evaluate_accuracy", "evaluate_accuracy_gpus", "max_abs_difference"]
+
+
+def max_abs_difference(a, b) -> float:
+    """The largest absolute difference between two sets of tensors (two models'
+    parameters, say): sequences compared in order, or dicts compared key by key."""
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            raise ValueError("the two dicts hold different tensors")
+        a, b = list(a.values()), [b[k] for k in a]
+    a, b = list(a), list(b)
+    if len(a) != len(b):
+        raise ValueError(f"{len(a)} tensors against {len(b)}")
+    return max((float((x.detach().double() - y.detach().double()).abs().max())
+                for x, y in zip(a, b) if x.numel()), default=0.0)
 
 
 def accuracy(y_hat: torch.Tensor, y: torch.Tensor) -> float:

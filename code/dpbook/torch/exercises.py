@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..exercises import Failure, run_check
+from .models import seeded
 
 __all__ = ["check_replicate", "check_allreduce", "check_split_batch", "check_dp_step",
            "check_accumulation", "check_shard", "check_buckets", "check_two_bit",
@@ -88,8 +89,9 @@ def check_split_batch(fn: Callable[..., tuple[Sequence[torch.Tensor], Sequence[t
 
 
 def _accumulation_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    with seeded(0):
+        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(),
+                                   torch.nn.Linear(8, 3))
 
 
 def check_accumulation(fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, int], object],
@@ -271,8 +273,9 @@ def check_replicate(fn: Callable[[Sequence[torch.Tensor], Sequence[torch.device]
 
 
 def _step_model() -> torch.nn.Module:
-    torch.manual_seed(1)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    with seeded(1):
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(),
+                                   torch.nn.Linear(6, 3))
 
 
 def check_dp_step(fn: Callable[[list[torch.nn.Module], list[torch.Tensor], list[torch.Tensor],
@@ -387,7 +390,8 @@ def _ring_worker(rank: int, nprocs: int, payload: bytes, worlds: Sequence[int],
     import os
     import traceback
     import cloudpickle
-    from .allreduce import _rank_data, recording
+    from .allreduce import _rank_data
+    from .messages import recording
     torch.set_num_threads(1)
     fn = cloudpickle.loads(payload)
     wait = datetime.timedelta(seconds=timeout)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from .evaluate import max_abs_difference
 from .zero import OPTIMIZERS, Traffic, batch, reference
 
 __all__ = ["counting", "shard_lenet", "fsdp_worker", "compare"]
@@ -127,13 +128,12 @@ def compare(nprocs: int, optimizer: str = "adam", steps: int = 3, batch_size: in
     (key ``True``) and off (``False``); each result has the ``difference`` from one process
     (:func:`dpbook.torch.zero.reference`), ``sent``/``calls`` of the last step, the bytes of
     whole parameters ``held_between`` forward and backward, and rank 0's ``shards``."""
-    from .dist import run
-    if batch_size % nprocs:
-        raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
+    from .dist import per_process, run
+    per_process(batch_size, nprocs)          # refuses what does not divide
     results = run(fsdp_worker, nprocs, optimizer, steps, batch_size, on="cpu",
                   timeout=timeout)
     ref = reference(optimizer, steps, batch_size)
     for r in results.values():
-        r["difference"] = max((r["params"][k] - v).abs().max().item() for k, v in ref.items())
+        r["difference"] = max_abs_difference({k: r["params"][k] for k in ref}, ref)
         del r["params"]
     return results

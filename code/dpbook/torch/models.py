@@ -1,10 +1,14 @@
 """The book's models in PyTorch: two LeNets and a ResNet-18 for 28×28 images."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
+import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["lenet", "lenet5", "Residual", "resnet18", "num_params"]
+__all__ = ["lenet", "lenet5", "Residual", "resnet18", "num_params", "seeded"]
 
 
 def lenet(num_classes: int = 10) -> nn.Sequential:
@@ -86,3 +90,13 @@ def resnet18(num_classes: int = 10, in_channels: int = 1, width: int = 64) -> nn
 def num_params(net: nn.Module) -> int:
     """Number of trainable parameters (BatchNorm running statistics are buffers, not counted)."""
     return sum(p.numel() for p in net.parameters() if p.requires_grad)
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """``with seeded(0): net = lenet()``: draw from ``seed`` inside the block and leave
+    the caller's random generator as it was (``torch.random.fork_rng``), so building a
+    model the same way every time does not change the reader's next random numbers."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .data import fashion_mnist_datasets
 from .devices import hardware_line, synchronize
-from .dist import group_devices, process_group, run
+from .dist import group_devices, per_process, process_group, run
 from .evaluate import accuracy
 from .ddp_hooks import register
 from .models import lenet
@@ -102,7 +102,6 @@ def compare(nprocs: int, precisions: Sequence[Precision] = PRECISIONS, steps: in
     """:func:`train_worker` on ``nprocs`` processes: ``{"results": [{"name", "losses",
     "bytes_per_step", "calls_per_step", "seconds_per_step", "param_dtype", "grad_dtype",
     "test_acc"}, ...], "batch_size", "hardware"}``."""
-    if batch_size % nprocs:
-        raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
+    per_process(batch_size, nprocs)          # refuses what does not divide
     return run(train_worker, nprocs, list(precisions), steps, batch_size, lr,
                (num_train, num_test, None if root is None else str(root)), timeout=timeout)

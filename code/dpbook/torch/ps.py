@@ -36,6 +36,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from .data import fashion_mnist_datasets
 from .dist import process_group, run
 from .evaluate import accuracy
+from .models import seeded
 
 __all__ = ["PSConfig", "mlp", "load_arrays", "worker_batches", "flat_grad", "server_sync",
            "server_async", "worker", "ps_process", "run_ps", "sgd_reference",
@@ -59,9 +60,9 @@ class PSConfig:
 def mlp(num_hiddens: int = 256, seed: int = 0) -> nn.Sequential:
     """784 → ``num_hiddens`` → ReLU → 10, initialized from ``seed``: 203,530 parameters
     for 256 hidden units (small enough to send as one message per step)."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, num_hiddens), nn.ReLU(),
-                         nn.Linear(num_hiddens, 10))
+    with seeded(seed):
+        return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, num_hiddens), nn.ReLU(),
+                             nn.Linear(num_hiddens, 10))
 
 
 def load_arrays(num_train: int | None = None, num_test: int | None = None, root=None,

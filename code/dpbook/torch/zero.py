@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -33,10 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-# ZeroModel's backward pre-hook on the first layer, whose input (the images) needs no
-# gradient, fires on the output's gradient instead; that is what it wants. PyTorch warns.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
-                        "computed with respect to module outputs since no inputs require")
+from .evaluate import max_abs_difference
+from .models import seeded
 
 __all__ = ["Traffic", "Shard", "reduce_scatter_mean", "all_gather", "ZeroOptimizer",
            "ZeroModel", "held_bytes", "OPTIMIZERS", "batch", "stage_worker", "reference",
@@ -203,9 +200,9 @@ class ZeroModel(nn.Module):
     of every parameter (:meth:`shards`, float32: the master weights).
 
     Every submodule that owns parameters is a *unit*: a forward pre-hook all-gathers its
-    parameters, a forward hook frees them, a backward pre-hook all-gathers them again,
-    and a hook on each parameter reduce-scatters its gradient into the slice's ``.grad``
-    and frees the rest. With ``compute_dtype`` (e.g. ``torch.bfloat16``) the parameters
+    parameters, a forward hook frees them, a hook on the unit's output all-gathers them
+    again when backward reaches the unit, and a hook on each parameter reduce-scatters its
+    gradient into the slice's ``.grad`` and frees the rest. With ``compute_dtype`` (e.g. ``torch.bfloat16``) the parameters
     travel and compute in that type and their gradients come back in it, while the slices
     and the optimizer state stay float32. :meth:`full_state_dict` gathers a checkpoint.
     """
@@ -246,9 +243,17 @@ class ZeroModel(nn.Module):
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
             self.units.append(unit)
             unit.register_forward_pre_hook(lambda m, args: self._gather(m))
-            unit.register_forward_hook(lambda m, args, out: self._free(m))
-            unit.register_full_backward_pre_hook(lambda m, grad_out: self._gather(m))
+            unit.register_forward_hook(self._after_forward)
             self._free(unit)
+
+    def _after_forward(self, unit: nn.Module, args, out) -> None:
+        """Free the unit's parameters; gather them again when backward reaches the unit,
+        i.e. when the gradient of its output arrives (a hook on the output tensor)."""
+        self._free(unit)
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            outs[0].register_hook(lambda grad: self._gather(unit))
 
     def _own(self, unit: nn.Module) -> list[nn.Parameter]:
         return [p for p in unit.parameters(recurse=False) if p in self._shard]
@@ -414,8 +419,8 @@ def reference(optimizer: str, steps: int, batch_size: int) -> dict[str, torch.Te
     """The same training in one process on the whole batches: what every stage must equal."""
     from .models import lenet
     cls, kwargs = OPTIMIZERS[optimizer]
-    torch.manual_seed(0)
-    model = lenet()
+    with seeded(0):
+        model = lenet()
     opt = cls(model.parameters(), **kwargs)
     for step in range(steps):
         X, y = batch(step, batch_size)
@@ -433,16 +438,15 @@ def compare(nprocs: int, stages: Iterable[int] = (0, 1, 2, 3), optimizer: str = 
     from the one-process run), ``sent`` (bytes one rank sent in the last step, ring
     collectives), ``calls`` (collectives of that step), ``held`` (bytes rank 0 held per
     category: full ``params``, its float32 ``slices``, ``grads``, ``optimizer`` state)."""
-    from .dist import run
+    from .dist import per_process, run
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose from {list(OPTIMIZERS)}")
-    if batch_size % nprocs:
-        raise ValueError(f"batch size {batch_size} does not divide by {nprocs} processes")
+    per_process(batch_size, nprocs)          # refuses what does not divide
     stages = list(stages)
     results = run(stage_worker, nprocs, stages, optimizer, steps, batch_size, compute_dtype,
                   on="cpu", timeout=timeout)
     ref = reference(optimizer, steps, batch_size)
     for r in results.values():
-        r["difference"] = max((r["params"][k] - v).abs().max().item() for k, v in ref.items())
+        r["difference"] = max_abs_difference({k: r["params"][k] for k in ref}, ref)
         del r["params"]
     return results
