@@ -276,13 +276,33 @@ def test_version_parsing_and_messages():
 
 
 def test_the_compat_environment_is_the_minimum():
-    """tools/compat.sh's oldest environment installs exactly versions.MINIMUM."""
-    import re
+    """tools/compat.sh's oldest environment installs exactly versions.MINIMUM (both read
+    dpbook/versions.yml; this checks that the shell reads it right)."""
     from dpbook import versions
-    text = (ROOT / "tools/compat.sh").read_text()
-    oldest = dict(re.findall(r"(\w+)==([\d.]+)", re.search(r'OLDEST="([^"]*)"', text)[1]))
-    assert {p: oldest[p] for p in versions.MINIMUM} == \
+    script = (ROOT / "tools/compat.sh").read_text()
+    block = script[script.index("OLDEST="):script.index("NEWEST=")]
+    out = subprocess.run(["bash", "-c", block + 'echo "$OLDEST"'], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+    pins = dict(p.split("==") for p in out)
+    assert {p: pins[p].rstrip(".*") for p in versions.MINIMUM} == \
         {p: v for p, (v, _) in versions.MINIMUM.items()}
+    assert pins["jaxlib"] == pins["jax"]
+
+
+def test_a_module_with_a_higher_floor_says_so(monkeypatch):
+    """dpbook.torch.fsdp needs more than the book's torch: importing it with an older one
+    stops with the module's own one-line message."""
+    from dpbook import versions
+    [(package, (oldest, _))] = versions.MODULE_MINIMUM["dpbook.torch.fsdp"].items()
+    book = versions.MINIMUM[package][0]
+    assert versions.parse(oldest) > versions.parse(book)
+    monkeypatch.setattr(versions, "installed", lambda p: book if p == package else None)
+    monkeypatch.delenv("DPBOOK_IGNORE_VERSIONS", raising=False)
+    with pytest.raises(versions.VersionError, match=f"dpbook.torch.fsdp needs {package} >= "):
+        versions.require_for("dpbook.torch.fsdp")
+    versions.require_for("dpbook.torch.zero")             # no floor of its own: passes
+    monkeypatch.setenv("DPBOOK_IGNORE_VERSIONS", "1")
+    versions.require_for("dpbook.torch.fsdp")
 
 
 def test_jax_upgrade_names_the_cuda_plugin(monkeypatch):

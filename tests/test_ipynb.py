@@ -57,6 +57,7 @@ def test_notebooks_are_self_contained(lang):
             [c.outputs for c in run.cells if c.cell_type == "code"], path
     scratch = (notebooks.OUT / lang / "from-scratch" / "pytorch.ipynb").read_text("utf8")
     assert "def allreduce(data" in scratch      # literalinclude became the code itself
+    assert notebooks.STORED_NUMBERS[lang][:40] in scratch   # whose numbers the text shows
     assert "raw.githubusercontent.com/dpbook/dpbook/main/figures/data-parallel-step.svg" in scratch
     allreduce = (notebooks.OUT / lang / "communication" / "allreduce.ipynb").read_text("utf8")
     assert notebooks.WIDGET_TITLES["ring-replay"][lang] in allreduce   # the site's widget, named

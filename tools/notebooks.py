@@ -43,9 +43,10 @@ INSTALL_COMMENT = {
     "en": ("# Install the book's helper package `dpbook` if it is missing (on Colab, for example).\n"
            "# It does not depend on torch or jax, so pip leaves the installed ones alone.\n"
            "# On Colab the default CPU runtime runs every page as the book shows it (2 CPU\n"
-           "# devices). A T4 GPU runtime has one GPU: the from-scratch replicas share it, the\n"
-           "# demos with several processes run them on the CPU (NCCL takes one GPU per\n"
-           "# process), and JAX's pages use emulated CPU devices. Each page says where it runs."),
+           "# devices). A T4 GPU runtime has one GPU: the from-scratch replicas share it,\n"
+           "# the demos with several processes run them on the CPU (NCCL takes one GPU\n"
+           "# per process), and JAX's pages use emulated CPU devices. Each page says where\n"
+           "# it runs."),
     "zh": ("# 如果缺少本书的辅助包 `dpbook`（例如在Colab上），先安装它。\n"
            "# `dpbook` 不依赖torch和jax，所以pip不会改动已经安装的版本。\n"
            "# 在Colab上，默认的CPU运行时会像书中那样运行每一页（2个CPU设备）。\n"
@@ -62,6 +63,13 @@ if importlib.util.find_spec("dpbook") is None:
 if "DPBOOK_LANG" not in os.environ:          # {lang_comment}
     os.environ["DPBOOK_LANG"] = "{lang}"
 """
+STORED_NUMBERS = {
+    "en": ("> *The numbers in the text come from the book's stored run at the `cpu` scale "
+           "(its hardware line is in the first output). When you run this notebook, the "
+           "outputs show your numbers; the text keeps the stored ones.*"),
+    "zh": ("> *正文中的数字来自本书存储的`cpu`规模的运行（第一个输出中的硬件信息行说明了它的运行环境）。"
+           "你运行这个笔记本时，输出显示的是你自己的数字，正文中仍是存储的数字。*"),
+}
 LANG_COMMENT = {"en": "the language of the exercises' hints",
                 "zh": "练习检查的提示使用的语言"}
 
@@ -247,6 +255,8 @@ def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:
         metadata={"tags": ["dpbook-install"]})
     first_code = next(i for i, c in enumerate(cells) if c.cell_type == "code")
     cells.insert(first_code, install)
+    if values:                      # numbers pasted into the text: say whose they are
+        cells.insert(first_code, nbformat.v4.new_markdown_cell(STORED_NUMBERS[lang]))
     out = nbformat.v4.new_notebook(cells=cells, metadata={
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"},

@@ -3,9 +3,12 @@
 Colab and a reader's GPU box come with their own releases. ``import dpbook.torch`` and
 ``import dpbook.jax`` (every chapter's first cell) compare them with :data:`MINIMUM` and
 stop with one line that says which package is too old and how to upgrade it, instead of
-an ``AttributeError`` deep inside a later cell. The book itself is built and tested with
-the exact releases pinned in ``requirements.txt``. Set ``DPBOOK_IGNORE_VERSIONS=1`` to
-try an older release anyway.
+an ``AttributeError`` deep inside a later cell; the few modules that need more (FSDP2 on
+CPU processes) check their own floor when a page imports them (:func:`require_for`). The
+releases are data, in ``versions.yml`` beside this file. The book itself is built and
+tested with the exact releases pinned in ``requirements.txt``, and ``tools/compat.sh``
+runs its pages with exactly these minimums. Set ``DPBOOK_IGNORE_VERSIONS=1`` to try an
+older release anyway.
 
 >>> parse("2.13.0+cpu")
 (2, 13, 0)
@@ -19,18 +22,25 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+from pathlib import Path
 
-__all__ = ["MINIMUM", "VersionError", "parse", "installed", "too_old", "upgrade_spec",
-           "require"]
+__all__ = ["MINIMUM", "MODULE_MINIMUM", "VersionError", "parse", "installed", "too_old",
+           "upgrade_spec", "require", "require_for"]
 
-#: package → (oldest release, what older ones lack)
+
+def _load() -> dict:
+    import yaml
+    return yaml.safe_load((Path(__file__).with_name("versions.yml")).read_text("utf8"))
+
+
+#: package → (oldest release, what older ones lack), from ``versions.yml`` (``book``)
 MINIMUM: dict[str, tuple[str, str]] = {
-    "torch": ("2.6", "torch.distributed.get_default_backend_for_device"),
-    "jax": ("0.8.2", "lax.pcast (jax 0.8.0 and 0.8.1 have jax.shard_map with check_vma but "
-                     "not lax.pcast)"),
-    "flax": ("0.11.0", "nnx.Optimizer.update(model, grads)"),
-    "optax": ("0.2.4", "optax releases that support jax >= 0.8"),
-}
+    p: (v["version"], v["lacks"]) for p, v in _load()["book"].items()}
+#: module → {package → (oldest release, what older ones lack)}, for the few modules that
+#: need more than the book (``versions.yml``, ``modules``)
+MODULE_MINIMUM: dict[str, dict[str, tuple[str, str]]] = {
+    m: {p: (v["version"], v["lacks"]) for p, v in need.items()}
+    for m, need in (_load().get("modules") or {}).items()}
 
 
 class VersionError(ImportError):
@@ -59,14 +69,16 @@ def installed(package: str) -> str | None:
         return None
 
 
-def too_old(package: str, version: str | None = None) -> str | None:
+def too_old(package: str, version: str | None = None,
+            minimum: dict[str, tuple[str, str]] | None = None, who: str = "dpbook"
+            ) -> str | None:
     """The one-line message if ``package`` (at ``version``, default: installed) is older
-    than :data:`MINIMUM`, else ``None``."""
+    than ``minimum`` (default :data:`MINIMUM`), else ``None``."""
     version = installed(package) if version is None else version
-    oldest, reason = MINIMUM[package]
+    oldest, reason = (MINIMUM if minimum is None else minimum)[package]
     if version is None or parse(version) >= parse(oldest):
         return None
-    return (f"dpbook needs {package} >= {oldest} (this is {version}; older releases lack "
+    return (f"{who} needs {package} >= {oldest} (this is {version}; older releases lack "
             f"{reason}): pip install -U '{upgrade_spec(package, oldest)}' and restart the "
             "kernel")
 
@@ -90,5 +102,18 @@ def require(*packages: str) -> None:
         return
     for package in packages:
         message = too_old(package)
+        if message is not None:
+            raise VersionError(message)
+
+
+def require_for(module: str) -> None:
+    """Raise :class:`VersionError` if a package is older than what ``module`` needs
+    (:data:`MODULE_MINIMUM`; nothing beyond the book's minimum for most modules). The
+    module calls it when it is imported, so the page that imports it stops in its first
+    cell, saying what to upgrade (unless ``DPBOOK_IGNORE_VERSIONS=1``)."""
+    if os.environ.get("DPBOOK_IGNORE_VERSIONS") == "1":
+        return
+    for package in MODULE_MINIMUM.get(module, {}):
+        message = too_old(package, minimum=MODULE_MINIMUM[module], who=module)
         if message is not None:
             raise VersionError(message)

@@ -7,7 +7,8 @@ import jax
 
 from .. import config, devices as _core, tools
 
-__all__ = ["try_gpu", "try_all_gpus", "get_devices", "devices_note", "synchronize", "Timer", "get_scale", "hardware_line", "split_batch"]
+__all__ = ["try_gpu", "try_all_gpus", "get_devices", "devices_note", "synchronize", "Timer",
+           "get_scale", "hardware_line", "split_batch"]
 
 
 def _gpus() -> list[jax.Device]:

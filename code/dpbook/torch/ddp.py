@@ -146,7 +146,7 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
     """One process of a DDP training run (started by :func:`spawn_train` or by torchrun);
     returns the run's results (the same on every rank)."""
     threads = cfg.threads or max(1, (os.cpu_count() or 1) // world_size)
-    with process_group(rank, world_size, local_rank, threads=threads, on=cfg.device) as device:
+    with process_group(rank, world_size, local_rank, threads, on=cfg.device) as device:
         share = per_process(cfg.batch_size, world_size)
         train, test = _datasets(cfg)
         sampler = DistributedSampler(train, num_replicas=world_size, rank=rank,

@@ -43,8 +43,8 @@ import torch.multiprocessing as mp
 from ..launch import free_port
 
 __all__ = ["free_port", "Placement", "placement", "launcher_placement", "spawn", "run",
-           "init_process", "process_group", "per_process", "group_devices", "slowest_seconds", "LAUNCHER_VARIABLES",
-           "rank_from_env", "torchrun_command"]
+           "init_process", "process_group", "per_process", "group_devices",
+           "slowest_seconds", "LAUNCHER_VARIABLES", "rank_from_env", "torchrun_command"]
 
 #: What a demo may ask for: ``"auto"`` (one GPU per process if the machine has enough,
 #: else the CPU) or ``"cpu"`` (the demo is about CPU processes, or moves CPU tensors).
@@ -72,7 +72,8 @@ class Placement:
         procs = f"{n} process" + ("es" if n != 1 else "")
         if self.devices[0] == "cpu":
             return f"{procs} on the CPU (gloo): {self.why}"
-        return f"{procs} on {', '.join(self.devices)} (NCCL; gloo for CPU tensors): {self.why}"
+        return (f"{procs} on {', '.join(self.devices)} (NCCL; gloo for CPU tensors): "
+                f"{self.why}")
 
 
 def _gpus(n: int) -> str:
@@ -106,7 +107,8 @@ def placement(nprocs: int, on: str = "auto", num_gpus: int | None = None) -> Pla
     if num_gpus == 0:
         return Placement(cpu, "gloo", "this machine has no GPU")
     if nprocs > num_gpus:
-        return Placement(cpu, "gloo", f"this machine has {_gpus(num_gpus)}, fewer than {nprocs}")
+        return Placement(cpu, "gloo",
+                         f"this machine has {_gpus(num_gpus)}, fewer than {nprocs}")
     return Placement(tuple(f"cuda:{r}" for r in range(nprocs)), "cpu:gloo,cuda:nccl",
                      "one GPU per process")
 
@@ -159,7 +161,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300,
             p.join()
 
 
-# Set in a child of `run` (the parent decided where every rank goes): `process_group` reads it.
+# Set in a child of `run` (the parent decided where every rank goes); read by init_process.
 _RUN_PLACEMENT: Placement | None = None
 _SAID: set[str] = set()          # placements already printed in this process
 
@@ -196,7 +198,8 @@ def run(worker: Callable[..., Any], nprocs: int, *args: Any, on: str = "auto",
               timeout=timeout)
         load = [os.path.join(folder, f"rank-{r}.pt")
                 for r in (range(nprocs) if ranks == "all" else [0])]
-        results = [torch.load(path, map_location="cpu", weights_only=False) for path in load]
+        results = [torch.load(path, map_location="cpu", weights_only=False)
+                   for path in load]
     return results if ranks == "all" else results[0]
 
 

@@ -18,8 +18,11 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from ..versions import require_for
 from .evaluate import max_abs_difference
 from .zero import OPTIMIZERS, Traffic, batch, reference
+
+require_for(__name__)   # FSDP2 on CPU processes needs a newer torch than the book (versions.yml)
 
 __all__ = ["counting", "shard_lenet", "fsdp_worker", "compare"]
 

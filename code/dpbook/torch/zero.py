@@ -202,9 +202,10 @@ class ZeroModel(nn.Module):
     Every submodule that owns parameters is a *unit*: a forward pre-hook all-gathers its
     parameters, a forward hook frees them, a hook on the unit's output all-gathers them
     again when backward reaches the unit, and a hook on each parameter reduce-scatters its
-    gradient into the slice's ``.grad`` and frees the rest. With ``compute_dtype`` (e.g. ``torch.bfloat16``) the parameters
-    travel and compute in that type and their gradients come back in it, while the slices
-    and the optimizer state stay float32. :meth:`full_state_dict` gathers a checkpoint.
+    gradient into the slice's ``.grad`` and frees the rest. With ``compute_dtype`` (e.g.
+    ``torch.bfloat16``) the parameters travel and compute in that type and their gradients
+    come back in it, while the slices and the optimizer state stay float32.
+    :meth:`full_state_dict` gathers a checkpoint.
     """
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
