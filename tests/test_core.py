@@ -344,3 +344,17 @@ def test_docstring_examples(name):
     import importlib
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed"
+
+
+def test_pages_state_the_floors_of_versions_yml():
+    """The preface (both editions) and the FSDP page name the releases versions.yml holds."""
+    from dpbook import versions
+    fsdp = versions.MODULE_MINIMUM["dpbook.torch.fsdp"]["torch"][0]
+    for lang in ("en", "zh"):
+        page = (ROOT / f"chapters/{lang}/sharded/fsdp.md").read_text(encoding="utf8")
+        assert f"PyTorch {fsdp}" in page, lang
+        preface = " ".join((ROOT / f"chapters/{lang}/index.md").read_text("utf8").split())
+        for package, name in (("torch", "PyTorch"), ("jax", "JAX"), ("flax", "Flax"),
+                              ("optax", "Optax")):
+            assert f"{name} {versions.MINIMUM[package][0]}" in preface, (lang, package)
+        assert f"PyTorch {fsdp}" in preface, lang

@@ -39,6 +39,8 @@ ALLOWED = {
     ("from-scratch/pytorch", "0.15"): "exercise 1: a learning rate to try",
     ("from-scratch/pytorch", "1.2"): "exercise 1: a learning rate to try",
     ("from-scratch/jax", "1.2"): "exercise 2: a learning rate to try",
+    ("sharded/fsdp", "2.9"): "dpbook/versions.yml: the torch release this page needs",
+    ("sharded/fsdp", "2.8"): "dpbook/versions.yml: the torch release whose gloo sums",
 }
 
 # A decimal number (1.5, 0.02) or a percentage (12%, 99.9 %), not part of a longer token

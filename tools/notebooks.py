@@ -47,11 +47,12 @@ INSTALL_COMMENT = {
            "# the demos with several processes run them on the CPU (NCCL takes one GPU\n"
            "# per process), and JAX's pages use emulated CPU devices. Each page says where\n"
            "# it runs."),
-    "zh": ("# 如果缺少本书的辅助包 `dpbook`（例如在Colab上），先安装它。\n"
-           "# `dpbook` 不依赖torch和jax，所以pip不会改动已经安装的版本。\n"
+    "zh": ("# 如果缺少本书的辅助包`dpbook`（例如在Colab上），先安装它。\n"
+           "# `dpbook`不依赖torch和jax，所以pip不会改动已经安装的版本。\n"
            "# 在Colab上，默认的CPU运行时会像书中那样运行每一页（2个CPU设备）。\n"
-           "# T4 GPU运行时只有一块GPU：从零实现的各个副本共用这块GPU，多进程的示例在CPU上\n"
-           "# 运行进程（NCCL要求每个进程独占一块GPU），JAX的页面使用模拟的CPU设备。\n"
+           "# T4 GPU运行时只有一块GPU：从零开始实现的各个副本共用这块GPU，\n"
+           "# 多进程的示例在CPU上运行这些进程（NCCL要求每个进程独占一块GPU），\n"
+           "# JAX的页面使用模拟的CPU设备。\n"
            "# 每一页都会打印它在哪里运行。"),
 }
 INSTALL_CODE = """\
@@ -67,8 +68,8 @@ STORED_NUMBERS = {
     "en": ("> *The numbers in the text come from the book's stored run at the `cpu` scale "
            "(its hardware line is in the first output). When you run this notebook, the "
            "outputs show your numbers; the text keeps the stored ones.*"),
-    "zh": ("> *正文中的数字来自本书存储的`cpu`规模的运行（第一个输出中的硬件信息行说明了它的运行环境）。"
-           "你运行这个笔记本时，输出显示的是你自己的数字，正文中仍是存储的数字。*"),
+    "zh": ("> *正文中的数字来自本书保存的一次`cpu`规模的运行（它的运行环境见第一个输出中的硬件信息行）。"
+           "你运行这个笔记本时，输出中是你自己的数字，而正文中仍是保存的那次运行的数字。*"),
 }
 LANG_COMMENT = {"en": "the language of the exercises' hints",
                 "zh": "练习检查的提示使用的语言"}
