@@ -171,5 +171,8 @@ def test_torchrun_command_line(fashion_mnist_dir):
 @NO_CUDA
 @pytest.mark.timeout(120)
 def test_sync_batchnorm_needs_a_gpu():
-    """Sentinel: SyncBatchNorm refuses CPU tensors (the chapter says it is GPU only)."""
-    assert "GPU" in ddp_check.sync_batchnorm_status(2)
+    """Sentinel: SyncBatchNorm refuses CPU tensors (the chapter says it is GPU only); on a
+    machine with a GPU for each process the group runs on them and it works."""
+    import torch
+    status = ddp_check.sync_batchnorm_status(2)
+    assert status == "ok" if torch.cuda.device_count() >= 2 else "GPU" in status, status
