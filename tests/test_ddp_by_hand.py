@@ -1,10 +1,15 @@
 """DDP by hand (dpbook.torch.ddp_by_hand): every wrapper equals DDP after several steps on
 2 and 3 gloo processes, on any model (tied weights, frozen layers, ranks seeded
-differently), with the allreduce calls and bytes each one should make."""
+differently, a layer only rank 0 uses), with and without accumulation under ``no_sync``,
+with the allreduce calls and bytes each one should make; the buckets follow DDP's rule."""
 from __future__ import annotations
+
+import contextlib
+import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dpbook.torch import ddp_by_hand
@@ -19,11 +24,15 @@ def _grad_params(kind: str) -> list[nn.Parameter]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("nprocs", [2, 3])
-@pytest.mark.parametrize("kind", ["mlp", "tied"])
-def test_every_wrapper_equals_ddp(nprocs, kind):
+@pytest.mark.parametrize("nprocs, kind, micro_batches", [
+    (2, "mlp", 1), (3, "mlp", 2), (2, "tied", 2),
+    (3, "branch", 2)])                   # branch: a layer used on rank 0 only
+def test_every_wrapper_equals_ddp(nprocs, kind, micro_batches):
+    # micro_batches=2: two backward passes per step, the first inside no_sync().
+    # branch: a wrapper that launched its allreduces in a rank-dependent order would
+    # hang (the timeout fails the test) or abort ("collective mismatch", with gloo)
     r = ddp_by_hand.compare(nprocs, NAMES, kind=kind, steps=4, bucket_cap_mb=0.01,
-                              timeout=150)
+                              micro_batches=micro_batches, timeout=150)
     assert r["moved"] > 1e-3                              # the steps did move
     for name in NAMES:                                    # float32 rounding only
         assert r[name]["max_difference"] < 1e-5 * max(1.0, r["moved"]), (name, r[name])
@@ -37,18 +46,76 @@ def test_every_wrapper_equals_ddp(nprocs, kind):
     assert len(buckets) > 1 or kind == "tied"             # the MLP fills several buckets
 
 
-def test_buckets_follow_backward_order_and_the_cap():
-    params = [nn.Parameter(torch.zeros(n)) for n in (1000, 10, 10, 300_000, 20)]
+def test_buckets_follow_backward_order_and_ddps_cap_rule():
+    params = [nn.Parameter(torch.zeros(n)) for n in (1000, 10, 10, 300_000, 20, 2600)]
     buckets = ddp_by_hand.make_buckets(params, bucket_cap_mb=0.01)   # 10,485 bytes
-    assert [[p.numel() for p in b] for b in buckets] == [[20], [300_000], [10, 10, 1000]]
+    # closed once it reaches the cap, so it can end larger: 10,400 + 80 < cap <= + 1.2 MB
+    assert [[p.numel() for p in b] for b in buckets] == [[2600, 20, 300_000],
+                                                          [10, 10, 1000]]
     assert [p for b in buckets for p in b] == params[::-1]   # reverse order, each once
     one = ddp_by_hand.make_buckets(params, bucket_cap_mb=25)
     assert len(one) == 1 and len(one[0]) == len(params)
 
 
-def test_unknown_wrapper_is_refused():
-    with pytest.raises(ValueError, match="unknown wrapper"):
-        ddp_by_hand.wrap("hogwild", nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="unknown wrapper"):
-        ddp_by_hand.compare(2, ["ddp"])
+def _indices(order, params, cap):
+    """make_buckets(params, cap bytes) as lists of indices into ``order``."""
+    index = {id(p): i for i, p in enumerate(order)}
+    return [[index[id(p)] for p in b] for b in ddp_by_hand.make_buckets(params, cap / 2**20)]
 
+
+@pytest.mark.skipif(not hasattr(dist, "_compute_bucket_assignment_by_size"),
+                    reason="torch's private bucket function is not in this release")
+def test_buckets_equal_torchs_own_assignment():
+    rng = random.Random(0)
+    for _ in range(200):
+        sizes = [rng.choice([1, 2, 3, 50, 400, 3000]) for _ in range(rng.randint(1, 12))]
+        cap = rng.choice([4, 100, 1000, 4000, 20_000])            # bytes
+        params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+        # torch's rule on the parameters in reverse order (indices into that order)
+        theirs, _ = dist._compute_bucket_assignment_by_size(params[::-1], [cap])
+        assert _indices(params[::-1], params, cap) == theirs, (sizes, cap)
+    mixed = [nn.Parameter(torch.zeros(n, dtype=d)) for n, d in
+             [(3, torch.float32), (1, torch.float64), (2, torch.float32), (4, torch.float64)]]
+    theirs, _ = dist._compute_bucket_assignment_by_size(mixed[::-1], [16])
+    assert sorted(_indices(mixed[::-1], mixed, 16)) == sorted(theirs)   # one dtype each
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo group of this process alone (cheaper than starting processes)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _Mixed(nn.Module):                  # a float64 layer, then a float32 one
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8, dtype=torch.float64), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).float())
+
+
+def _two_micro_batches(model, X, sync=None):
+    with model.no_sync() if sync else contextlib.nullcontext():
+        model(X[:3]).square().sum().backward()
+    model(X[3:]).square().sum().backward()
+    if sync:
+        sync()
+
+
+def test_mixed_dtypes_no_sync_and_a_second_backward(one_process_group):
+    X = torch.randn(6, 8, dtype=torch.float64)
+    plain = _Mixed()
+    _two_micro_batches(plain, X)
+    for name in NAMES:
+        model = ddp_by_hand.wrap(name, _Mixed(), bucket_cap_mb=25)   # one cap, two dtypes
+        _two_micro_batches(model, X, model.finish_gradient_synchronization)
+        for p, q in zip(model.module.parameters(), plain.parameters()):
+            assert p.grad.dtype == p.dtype and torch.equal(p.grad, q.grad), name  # no cast
+        if name in ("overlap", "bucketed"):              # backward twice: refused
+            model(X).sum().backward()
+            with pytest.raises(RuntimeError, match="no_sync"):
+                model(X).sum().backward()

@@ -5,10 +5,14 @@ parameters and buffers when it is built (so processes seeded differently start e
 synchronizes only the parameters that need a gradient, and counts a parameter shared by
 two layers (tied weights) once. The training loop calls
 :meth:`~DataParallel.finish_gradient_synchronization` after ``backward()`` and before the
-optimizer step; afterwards every process holds the *mean* of the processes' gradients::
+optimizer step; afterwards every process holds the *mean* of the processes' gradients.
+To accumulate gradients over micro-batches, run all but the last backward inside
+:meth:`~DataParallel.no_sync`, as with DDP::
 
     model = BucketedDataParallel(net, bucket_cap_mb=1)
-    loss_fn(model(X), y).backward()
+    with model.no_sync():
+        loss_fn(model(X1), y1).backward()      # gradients accumulate locally
+    loss_fn(model(X2), y2).backward()
     model.finish_gradient_synchronization()
     optimizer.step()
 
@@ -21,6 +25,10 @@ wrapper                         allreduce calls per step     starts communicatin
 ``BucketedDataParallel``        one per bucket               as each bucket is full
 ==============================  ===========================  ==========================
 
+(c) and (d) launch their allreduces in a fixed order, the same on every process (gloo and
+NCCL match collectives by the order of the calls): the next one only when all before it
+are launched.
+
 :func:`compare` runs each on real gloo processes against DDP; :func:`benchmark` times
 them; ``python -m dpbook.torch.ddp_by_hand --nprocs 2`` does both.
 :mod:`dpbook.torch.profiling` records one step of each and shows the overlap.
@@ -28,6 +36,7 @@ them; ``python -m dpbook.torch.ddp_by_hand --nprocs 2`` does both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -50,7 +59,7 @@ __all__ = ["DataParallel", "PerParameterDataParallel", "FlatDataParallel",
 
 class DataParallel(nn.Module):
     """What the four wrappers share: broadcast at construction, the parameters to
-    synchronize, the counters, and ``forward``."""
+    synchronize, the counters, ``forward``, ``no_sync`` and the gradient hooks."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -59,16 +68,43 @@ class DataParallel(nn.Module):
         with torch.no_grad():                  # everybody starts from rank 0's state
             for tensor in itertools.chain(module.parameters(), module.buffers()):
                 dist.broadcast(tensor, src=0)
-        # parameters() lists a tensor shared by two layers once; frozen ones need nothing
+        # parameters() lists a tensor shared by two layers once; frozen ones need none
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.calls = 0                         # allreduce calls so far
         self.bytes = 0                         # bytes handed to them
+        self.require_backward_grad_sync = True     # False inside no_sync()
+        self._arrived: set[int] = set()        # parameters whose gradient is final
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally and send nothing; the
+        next backward outside and ``finish_gradient_synchronization`` send the sum."""
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
+    def _hook_gradients(self) -> None:
+        """(c) and (d): call ``self._ready(p)`` once ``p.grad`` is final, once per
+        synchronization."""
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def _on_gradient(self, p: nn.Parameter) -> None:
+        if not self.require_backward_grad_sync:
+            return                             # inside no_sync(): keep accumulating
+        if id(p) in self._arrived:
+            raise RuntimeError("a second backward() before the synchronization: run "
+                               "the earlier micro-batches inside model.no_sync()")
+        self._arrived.add(id(p))
+        self._ready(p)
+
     def _allreduce(self, tensor: torch.Tensor, async_op: bool = False):
-        """Average ``tensor`` over the processes, in place (divide, then sum, as DDP does)."""
+        """Average ``tensor`` over the processes, in place (scale by 1/N, then sum)."""
         self.calls += 1
         self.bytes += tensor.numel() * tensor.element_size()
         tensor.div_(self.world_size)
@@ -108,50 +144,54 @@ class FlatDataParallel(DataParallel):
 
 class OverlapDataParallel(DataParallel):
     """(c) Overlap: each parameter's allreduce starts, asynchronously, as soon as
-    ``backward()`` has accumulated its gradient; the step waits for all of them."""
+    ``backward()`` has accumulated its gradient and its turn has come (the parameters in
+    reverse order); the step waits for all of them."""
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
-        self._pending: list = []
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._ready)
+        self.order = self.params[::-1]         # launch order, the same on every process
+        self._work: list = []                  # allreduces launched, in that order
+        self._hook_gradients()
 
     def _ready(self, p: nn.Parameter) -> None:
-        self._pending.append((p, self._allreduce(p.grad, async_op=True)))
+        while len(self._work) < len(self.order):   # start all whose turn has come
+            q = self.order[len(self._work)]
+            if id(q) not in self._arrived:
+                break
+            self._work.append(self._allreduce(q.grad, async_op=True))
 
     def finish_gradient_synchronization(self) -> None:
-        done = {id(p) for p, _ in self._pending}
-        for p in self.params:                  # no gradient this step: zeros, same calls
-            if id(p) not in done:
-                self._pending.append((p, self._allreduce(_grad(p), async_op=True)))
-        for _, work in self._pending:
+        for p in self.order[len(self._work):]:  # the rest, in order (zeros if unused)
+            self._work.append(self._allreduce(_grad(p), async_op=True))
+        for work in self._work:
             work.wait()
-        self._pending.clear()
+        self._work.clear()
+        self._arrived.clear()
 
 
 def make_buckets(params: Sequence[nn.Parameter], bucket_cap_mb: float
                  ) -> list[list[nn.Parameter]]:
-    """Group ``params`` in *reverse* order (the order backward produces their gradients)
-    into buckets of at most ``bucket_cap_mb`` megabytes (2**20 bytes); a parameter larger
-    than the cap gets a bucket of its own."""
+    """DDP's rule: take ``params`` in *reverse* order (the order backward produces their
+    gradients), add each to the open bucket of its dtype and device, and close that
+    bucket once it holds ``bucket_cap_mb`` megabytes (2**20 bytes) or more, so a bucket
+    can end larger than the cap. Returns the buckets in the order they closed, then the
+    ones still open."""
     cap = bucket_cap_mb * 2**20
-    buckets, current, size = [], [], 0
+    buckets, open_ = [], {}                    # (dtype, device) → [parameters, bytes]
     for p in reversed(list(params)):
-        nbytes = p.numel() * p.element_size()
-        if current and size + nbytes > cap:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+        key = (p.dtype, p.device)
+        bucket = open_.setdefault(key, [[], 0])
+        bucket[0].append(p)
+        bucket[1] += p.numel() * p.element_size()
+        if bucket[1] >= cap:                   # reached the cap: close it
+            buckets.append(open_.pop(key)[0])
+    return buckets + [ps for ps, _ in open_.values()]
 
 
 class BucketedDataParallel(DataParallel):
-    """(d) Buckets: the parameters, in reverse order, grouped into buckets of at most
-    ``bucket_cap_mb``; when the last gradient of a bucket is ready, the bucket's flat
-    buffer starts its allreduce (asynchronously) while backward goes on."""
+    """(d) Buckets: the parameters grouped by :func:`make_buckets`; when the last
+    gradient of a bucket is ready, and every bucket before it has started, the bucket's
+    flat buffer starts its allreduce (asynchronously) while backward goes on."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25):
         super().__init__(module)
@@ -159,16 +199,17 @@ class BucketedDataParallel(DataParallel):
         self._place = {id(p): (i, j) for i, b in enumerate(self.buckets)
                        for j, p in enumerate(b)}          # parameter → (bucket, slot)
         self._buffers = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype,
-                                     device=b[0].device) for b in self.buckets]
+                                     device=b[0].device)   # one dtype and device each
+                         for b in self.buckets]
         self._offsets = [list(itertools.accumulate((p.numel() for p in b), initial=0))
                          for b in self.buckets]
         self._reset()
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._ready)
+        self._hook_gradients()
 
     def _reset(self) -> None:
         self._waiting = [len(b) for b in self.buckets]   # gradients still to come
-        self._work: dict[int, object] = {}               # bucket → its allreduce
+        self._work: list = []                  # allreduces of buckets 0, 1, … launched
+        self._arrived.clear()
 
     def _slot(self, i: int, j: int) -> torch.Tensor:
         return self._buffers[i][self._offsets[i][j]:self._offsets[i][j + 1]]
@@ -177,15 +218,16 @@ class BucketedDataParallel(DataParallel):
         i, j = self._place[id(p)]
         self._slot(i, j).copy_(p.grad.reshape(-1))
         self._waiting[i] -= 1
-        if self._waiting[i] == 0:                 # the bucket is full: send it now
-            self._work[i] = self._allreduce(self._buffers[i], async_op=True)
+        n = len(self._work)                       # send full buckets, in index order
+        while n < len(self.buckets) and self._waiting[n] == 0:
+            self._work.append(self._allreduce(self._buffers[n], async_op=True))
+            n += 1
 
     def finish_gradient_synchronization(self) -> None:
-        for i, bucket in enumerate(self.buckets):  # buckets some gradient never reached
-            if i not in self._work:
-                for j, p in enumerate(bucket):
-                    self._slot(i, j).copy_(_grad(p).reshape(-1))
-                self._work[i] = self._allreduce(self._buffers[i], async_op=True)
+        for i in range(len(self._work), len(self.buckets)):   # the rest, in order
+            for j, p in enumerate(self.buckets[i]):          # zeros if no gradient
+                self._slot(i, j).copy_(_grad(p).reshape(-1))
+            self._work.append(self._allreduce(self._buffers[i], async_op=True))
         for i, bucket in enumerate(self.buckets):
             self._work[i].wait()
             for j, p in enumerate(bucket):
@@ -225,11 +267,30 @@ def _batches(kind: str, steps: int, batch_size: int, seed: int = 0):
              torch.randint(0, 10, (batch_size,), generator=g)) for _ in range(steps)]
 
 
+class _RankBranch(nn.Module):
+    """An MLP whose middle layer only rank 0 uses: on the other ranks its parameters
+    get no gradient, and their allreduces come late."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+        self.first, self.middle, self.last = (nn.Linear(32, 64), nn.Linear(64, 64),
+                                              nn.Linear(64, 10))
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))
+        if self.rank == 0:
+            h = torch.relu(self.middle(h))
+        return self.last(h)
+
+
 def _model(kind: str, rank: int) -> nn.Module:
     """The models the checks use, each rank seeded *differently* (the wrappers must
-    broadcast rank 0's start): ``"mlp"``, or ``"tied"`` (a weight shared by two layers
-    and a frozen layer), or ``"lenet"``."""
+    broadcast rank 0's start): ``"mlp"``, ``"tied"`` (a weight shared by two layers
+    and a frozen layer), ``"branch"`` (a layer only rank 0 uses) or ``"lenet"``."""
     torch.manual_seed(100 + rank)
+    if kind == "branch":
+        return _RankBranch(rank)
     if kind == "mlp":
         return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                              nn.Linear(64, 10))
@@ -246,19 +307,27 @@ def _model(kind: str, rank: int) -> nn.Module:
 
 
 def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, steps: int,
-                   bucket_cap_mb: float) -> dict:
-    """Train ``kind`` for ``steps`` SGD steps with every wrapper in ``names`` and with DDP;
+                   bucket_cap_mb: float, micro_batches: int = 1) -> dict:
+    """Train ``kind`` for ``steps`` SGD steps with every wrapper in ``names`` and with DDP,
+    each step ``micro_batches`` backward passes (all but the last inside ``no_sync``);
     returns each wrapper's largest parameter difference from DDP and its counts."""
     with process_group(rank, world_size) as device:
         full_float32()                 # compared in float32: no TF32 on a GPU
         results, finals = {}, {}
         for name in [*names, "ddp"]:
-            model = wrap(name, _model(kind, rank).to(device), bucket_cap_mb)
+            module = _model(kind, rank).to(device)
+            model = (DDP(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True)
+                     if name == "ddp" and kind == "branch"
+                     else wrap(name, module, bucket_cap_mb))
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             for X, y in _batches(kind, steps, 6 * world_size):
                 X, y = X.chunk(world_size)[rank].to(device), y.chunk(world_size)[rank].to(device)
                 optimizer.zero_grad()
-                F.cross_entropy(model(X), y).backward()
+                for i, (Xi, yi) in enumerate(zip(X.chunk(micro_batches),
+                                                 y.chunk(micro_batches))):
+                    last = i == micro_batches - 1
+                    with contextlib.nullcontext() if last else model.no_sync():
+                        (F.cross_entropy(model(Xi), yi) / micro_batches).backward()
                 sync_gradients(model)
                 optimizer.step()
             inner = model.module
@@ -276,15 +345,16 @@ def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, 
 
 def compare(nprocs: int, names: Sequence[str] = ("per-parameter", "flat", "overlap", "bucketed"),
             kind: str = "mlp", steps: int = 5, bucket_cap_mb: float = 0.01,
-            timeout: float = 120) -> dict:
-    """Each wrapper in ``names`` against DDP on ``nprocs`` gloo processes: ``{name:
+            micro_batches: int = 1, timeout: float = 120) -> dict:
+    """Each wrapper in ``names`` against DDP on ``nprocs`` gloo processes, each step
+    ``micro_batches`` backward passes (all but the last inside ``no_sync``): ``{name:
     {"max_difference", "calls_per_step", "bytes_per_step", "buckets"}, "moved": …}``
     (``moved``: how far DDP's parameters went from the start, to judge the differences)."""
     unknown = [n for n in names if n not in WRAPPERS or n == "ddp"]
     if unknown:
         raise ValueError(f"unknown wrapper(s) {unknown}; choose from {list(WRAPPERS)[:-1]}")
     return run(compare_worker, nprocs, list(names), kind, steps, bucket_cap_mb,
-               timeout=timeout)
+               micro_batches, timeout=timeout)
 
 
 def bench_worker(rank: int, world_size: int, names: Sequence[str], batch_size: int,
