@@ -194,25 +194,128 @@ def _zero1_vs_torch_worker(rank, world_size):
     whole parameters, under DDP's allreduce), from the same start on the same batches."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
+    ours = _other_model()
+    ours_opt = zero.ZeroOptimizer(ours.parameters(), torch.optim.Adam, stage=1, lr=0.01)
+    theirs = DDP(_other_model())
+    theirs_opt = ZeroRedundancyOptimizer(theirs.parameters(),
+                                         optimizer_class=torch.optim.Adam, lr=0.01)
+    for X, y in _other_batches():
+        for model, opt in ((ours, ours_opt), (theirs, theirs_opt)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(X.chunk(world_size)[rank]),
+                                        y.chunk(world_size)[rank]).backward()
+            opt.step()
+    start = _other_model()
+    return {"difference": max((a - b).abs().max().item() for a, b in
+                              zip(ours.parameters(), theirs.module.parameters())),
+            "moved": max((a - b).abs().max().item() for a, b in
+                         zip(ours.parameters(), start.parameters()))}
+
+
+def _two_ranks_worker(rank, world_size):
     with process_group(rank, world_size):
-        ours = _other_model()
-        ours_opt = zero.ZeroOptimizer(ours.parameters(), torch.optim.Adam, stage=1, lr=0.01)
-        theirs = DDP(_other_model())
-        theirs_opt = ZeroRedundancyOptimizer(theirs.parameters(),
-                                             optimizer_class=torch.optim.Adam, lr=0.01)
-        for X, y in _other_batches():
-            for model, opt in ((ours, ours_opt), (theirs, theirs_opt)):
-                opt.zero_grad()
-                nn.functional.cross_entropy(model(X.chunk(world_size)[rank]),
-                                            y.chunk(world_size)[rank]).backward()
-                opt.step()
-        start = _other_model()
-        return {"difference": max((a - b).abs().max().item() for a, b in
-                                  zip(ours.parameters(), theirs.module.parameters())),
-                "moved": max((a - b).abs().max().item() for a, b in
-                             zip(ours.parameters(), start.parameters()))}
+        return {"zero1 vs torch": _zero1_vs_torch_worker(rank, world_size),
+                "unused": _unused_worker(rank, world_size)}
 
 
-def test_zero1_equals_pytorchs_zero_redundancy_optimizer():
-    r = run(_zero1_vs_torch_worker, 2)
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One 2-process run for the two tests that need one (a process group costs ~10 s
+    here); a hang fails after 120 s."""
+    return run(_two_ranks_worker, 2, timeout=120)
+
+
+def test_zero1_equals_pytorchs_zero_redundancy_optimizer(two_ranks):
+    r = two_ranks["zero1 vs torch"]
     assert r["difference"] < 1e-6 < 1e-3 < r["moved"], r
+
+
+class _Shift(nn.Module):
+    """x * gain + shift; ``use_shift = False`` leaves ``shift`` unused."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.shift = nn.Parameter(torch.linspace(-1.0, 1.0, n))
+        self.use_shift = True
+
+    def forward(self, x):
+        return x * self.gain + self.shift if self.use_shift else x * self.gain
+
+
+def _branchy():
+    torch.manual_seed(3)      # in reverse order `shift` sits between other parameters
+    return nn.Sequential(nn.Linear(7, 13), _Shift(13), nn.Tanh(), nn.Linear(13, 5))
+
+
+def _branchy_steps(model, opt, batches, rank, world_size, chunks=2):
+    """Per step, ``chunks`` backward passes (gradient accumulation) on rank ``rank``'s
+    share of the batch; only rank 0 uses ``shift``. ``world_size=0``: one process does
+    both ranks' shares, each loss halved (the mean over the ranks)."""
+    for X, y in batches:
+        opt.zero_grad()
+        for r in ([rank] if world_size else range(2)):
+            for Xc, yc in zip(X.chunk(2)[r].chunk(chunks), y.chunk(2)[r].chunk(chunks)):
+                model[1].use_shift = r == 0
+                loss = nn.functional.cross_entropy(model(Xc), yc)
+                (loss / (world_size or 2)).backward()
+        opt.step()
+
+
+def _unused_worker(rank, world_size):
+    """Stages 1, 2 and 3 with a parameter that rank 1 never uses and two backward passes
+    per step; then an ordinary optimizer over a ZeroModel's parameters."""
+    results = {}
+    for stage in (1, 2, 3):
+        model = _branchy()
+        if stage == 3:
+            wrapped = zero.ZeroModel(model)
+            opt = torch.optim.AdamW(wrapped.shards(), lr=0.01)
+        else:
+            wrapped = model
+            opt = zero.ZeroOptimizer(model.parameters(), torch.optim.AdamW,
+                                     stage=stage, lr=0.01)
+        _branchy_steps(_Indexable(wrapped, model), opt, _other_batches(), rank,
+                       world_size)
+        results[stage] = (wrapped.full_state_dict() if stage == 3 else
+                          {k: v.detach().clone() for k, v in model.named_parameters()})
+    model = zero.ZeroModel(_branchy())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nn.functional.cross_entropy(model(torch.ones(2, 7)), torch.tensor([0, 1])).backward()
+    try:
+        opt.step()
+        results["ordinary optimizer"] = "accepted"
+    except RuntimeError as e:
+        results["ordinary optimizer"] = str(e)
+    return results
+
+
+class _Indexable:
+    """``wrapped(x)``, and ``[1]`` the Shift layer of the model inside."""
+
+    def __init__(self, wrapped, model):
+        self.wrapped, self.model = wrapped, model
+
+    def __call__(self, x):
+        return self.wrapped(x)
+
+    def __getitem__(self, i):
+        return self.model[i]
+
+
+def test_a_parameter_unused_on_one_rank(two_ranks):
+    """Every rank reduce-scatters in the same order, zeros where it has no gradient: the
+    result equals one process (the mean over both ranks' gradients, accumulated), and
+    nothing hangs (the old stage 1 skipped the missing gradient, the old stages 2 and 3
+    reduce-scattered in arrival order: the ranks' collectives no longer matched)."""
+    results = two_ranks["unused"]
+    model = _branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _branchy_steps(model, opt, _other_batches(), 0, 0)
+    start = _branchy()
+    assert (model[1].shift - start[1].shift).abs().max() > 1e-3       # it trained
+    for stage in (1, 2, 3):
+        for k, v in model.named_parameters():
+            assert (results[stage][k] - v).abs().max() < TOL, (stage, k)
+    message = results["ordinary optimizer"]
+    assert "SGD" in message and "shards()" in message, message

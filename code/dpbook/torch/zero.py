@@ -1,11 +1,20 @@
 """ZeRO from scratch: the optimizer state (stage 1), the gradients (stage 2) and the
 parameters (stage 3, FSDP) sharded over the processes of a group.
 
-Every parameter is sharded on its own, as PyTorch's FSDP2 does: flattened, padded with
-zeros to a multiple of N, cut into N equal slices; rank r owns slice r (:class:`Shard`).
+Every parameter is sharded on its own, one shard per parameter as in PyTorch's FSDP2
+(FSDP2 cuts dimension 0 and pads whole rows; we flatten, pad single values with zeros to a
+multiple of N and cut N equal slices); rank r owns slice r (:class:`Shard`).
 Two collectives do all the communication, the two halves of the ring allreduce:
 reduce-scatter (each rank gets the sum of its own slice) and all-gather (each rank gets
 every slice). :class:`Traffic` counts what they carry.
+
+Gloo and NCCL match collectives by the order in which the ranks call them, so every rank
+reduce-scatters the gradients in one fixed order, the reverse of the parameters' order (as
+DDP launches its buckets): a gradient that is ready out of turn waits, and at the end of
+the backward pass a parameter that got no gradient on this rank sends zeros in its turn
+(``_InOrder``). A parameter that one rank uses and another does not therefore gets
+the mean over all ranks, as with DDP. Stage 3 gathers a unit's parameters when forward or
+backward reaches the unit, so there every rank must run the same units (FSDP2's rule too).
 
 * :class:`ZeroOptimizer` (stages 1 and 2) is a ``torch.optim.Optimizer`` that wraps any
   optimizer class: it keeps the inner optimizer's state for this rank's slices only.
@@ -15,7 +24,8 @@ every slice). :class:`Traffic` counts what they carry.
 * :class:`ZeroModel` (stage 3) keeps only slices of the parameters between uses: it
   all-gathers a layer's parameters before its forward, frees them after, all-gathers them
   again before its backward, and reduce-scatters their gradients. Train it with any
-  optimizer over :meth:`ZeroModel.shards`.
+  optimizer over :meth:`ZeroModel.shards`; an optimizer over ``ZeroModel.parameters()``
+  stops at its first step with a message that says so.
 
 Elementwise optimizers (SGD, momentum, Adam, AdamW) give the same step sharded or not; one
 that needs the whole gradient (gradient clipping by the global norm) needs one more
@@ -101,13 +111,24 @@ def _collective(kind: str):
 def reduce_scatter_mean(full: torch.Tensor, shard: Shard, traffic: Traffic | None = None
                         ) -> torch.Tensor:
     """Every rank passes its whole tensor (a gradient); each gets back the mean over the
-    ranks of its own slice. One reduce-scatter."""
+    ranks of its own slice. One reduce-scatter. It sums in the gradient's dtype: in
+    bfloat16 that rounds at every addition (FSDP2's ``MixedPrecisionPolicy(reduce_dtype=
+    torch.float32)`` sums in float32, at twice the bytes)."""
+    out, work = _reduce_scatter_start(full, shard, traffic)
+    work.wait()
+    return out.div_(shard.world_size)
+
+
+def _reduce_scatter_start(full: torch.Tensor, shard: Shard, traffic: Traffic | None = None,
+                          group=None):
+    """Start the reduce-scatter of ``full`` (summing) without waiting: (output, work)."""
     padded = shard.pad(full).contiguous()
     out = torch.empty(shard.size, dtype=full.dtype, device=full.device)
-    _collective("reduce_scatter")(out, padded, op=dist.ReduceOp.SUM)
+    work = _collective("reduce_scatter")(out, padded, op=dist.ReduceOp.SUM, group=group,
+                                         async_op=True)
     if traffic is not None:
         traffic.add("reduce-scatter", padded.numel() * padded.element_size())
-    return out.div_(shard.world_size)
+    return out, work
 
 
 def all_gather(part: torch.Tensor, shard: Shard, traffic: Traffic | None = None
@@ -119,6 +140,72 @@ def all_gather(part: torch.Tensor, shard: Shard, traffic: Traffic | None = None
     if traffic is not None:
         traffic.add("all-gather", out.numel() * out.element_size())
     return out[:shard.numel]
+
+
+class _InOrder:
+    """Reduce-scatters the gradients of ``order`` in that order on every rank, once per
+    backward pass, and hands each mean slice to ``done(p, slice)``.
+
+    :meth:`ready` (from a post-accumulate-grad hook) takes the parameter's gradient and
+    starts every reduce-scatter whose turn has come; one that is ready out of turn waits
+    for those before it. The first :meth:`ready` of a backward pass queues :meth:`finish`
+    with the autograd engine, as DDP does, so it runs when the backward pass ends: it
+    starts the rest in order, zeros for a parameter without a gradient, and waits for
+    all. With a ``group`` of their own (stage 3) the collectives do not block: the
+    all-gathers of the backward pass, on the default group, must not wait for a rank that
+    is behind in the order; a finished one is collected at the next :meth:`ready`.
+    Without (stages 1 and 2) each one is waited for at once.
+
+    A parameter that no rank used gets a zero gradient, where one process would leave its
+    ``.grad`` at None: plain SGD leaves it alone, momentum and weight decay still move it.
+    DDP tells the two apart with one more allreduce, of a bitmap of the parameters used."""
+
+    def __init__(self, order: list, shards: dict, traffic: Traffic, done: Callable,
+                 group=None, after: Callable | None = None):
+        self.order, self.shards, self.traffic, self.done = order, shards, traffic, done
+        self.group, self.after = group, after      # after: called at the end of finish()
+        self.grads: dict = {}          # gradients taken from the parameters, not yet sent
+        self.next = 0                  # the next turn in ``order``
+        self.flight: list = []         # started, not yet collected: (parameter, out, work)
+        self.queued = False
+
+    def ready(self, p: torch.Tensor) -> None:
+        self.grads[p], p.grad = p.grad, None
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.queued = True
+        self._start(everything=False)
+
+    def _start(self, everything: bool) -> None:
+        while self.next < len(self.order):
+            p = self.order[self.next]
+            grad = self.grads.pop(p, None)
+            if grad is None and p.grad is not None:      # stage 1: no hooks, all in step
+                grad, p.grad = p.grad, None
+            if grad is None:
+                if not everything:
+                    return                                # not its turn yet: wait
+                grad = torch.zeros(self.shards[p].numel, dtype=p.dtype, device=p.device)
+            out, work = _reduce_scatter_start(grad, self.shards[p], self.traffic,
+                                              self.group)
+            self.flight.append((p, out, work))
+            self.next += 1
+            self._collect(wait=self.group is None)
+
+    def _collect(self, wait: bool) -> None:
+        """Hand on the finished reduce-scatters, oldest first (all of them with ``wait``),
+        which frees their inputs, the padded full gradients."""
+        while self.flight and (wait or self.flight[0][2].is_completed()):
+            p, out, work = self.flight.pop(0)
+            work.wait()
+            self.done(p, out.div_(self.shards[p].world_size))
+
+    def finish(self) -> None:
+        self._start(everything=True)
+        self._collect(wait=True)
+        self.next, self.queued = 0, False
+        if self.after is not None:
+            self.after()
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -154,16 +241,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [self.slices[p] for p in g["params"]]} for g in self.param_groups]
         self.inner = optimizer_class(groups, **defaults)
+        # reduce-scatter in the reverse of the parameters' order, on every rank the same
+        self._in_order = _InOrder(params[::-1], self.shards, self.traffic, self._add_grad)
         self._hooks = []
         if stage == 2:      # reduce-scatter each gradient as soon as backward produces it
             for p in params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._scatter_grad))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._in_order.ready))
 
-    def _scatter_grad(self, p: torch.Tensor) -> None:
-        part = reduce_scatter_mean(p.grad, self.shards[p], self.traffic).float()
+    def _add_grad(self, p: torch.Tensor, part: torch.Tensor) -> None:
+        """The mean slice of ``p``'s gradient into its slice's ``.grad``; the full gradient
+        was taken from ``p`` (freed). With k backward passes before ``step()`` (gradient
+        accumulation) the slices add up, but stage 2 then sends k reduce-scatters per step
+        where DDP with ``no_sync()`` sends one allreduce."""
         s = self.slices[p]
-        s.grad = part if s.grad is None else s.grad.add_(part)   # accumulation works
-        p.grad = None                                               # the full gradient: freed
+        part = part.float()
+        s.grad = part if s.grad is None else s.grad.add_(part)
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
@@ -173,10 +265,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for outer, inner in zip(self.param_groups, self.inner.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
-        if self.stage == 1:
-            for p in self.shards:
-                if p.grad is not None:
-                    self._scatter_grad(p)
+        if self.stage == 1:    # every parameter in its turn, zeros for a missing .grad
+            self._in_order.finish()
         self.inner.step()
         for p, shard in self.shards.items():
             p.copy_(all_gather(self.slices[p].to(p.dtype), shard, self.traffic).view_as(p))
@@ -225,6 +315,7 @@ class ZeroModel(nn.Module):
         self._dtype: dict[nn.Parameter, torch.dtype] = {}
         self._shape: dict[nn.Parameter, torch.Size] = {}
         self._pending: dict[nn.Module, int] = {}
+        self._grad_hooks = []
         owner: dict[nn.Parameter, str] = {}
         for name, unit in module.named_modules():
             own = [p for p in unit.parameters(recurse=False) if p.requires_grad]
@@ -241,11 +332,18 @@ class ZeroModel(nn.Module):
                 self._slice[p] = shard.slice(p.detach()).float().requires_grad_()
                 self._dtype[p] = compute_dtype or p.dtype
                 self._shape[p] = p.shape
+                p._dpbook_sharded = True     # an optimizer over these stops: see below
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
             self.units.append(unit)
             unit.register_forward_pre_hook(lambda m, args: self._gather(m))
             unit.register_forward_hook(self._after_forward)
             self._free(unit)
+        # The reduce-scatters in the reverse of the parameters' order on every rank, on a
+        # group of their own: the all-gathers of the backward pass need not wait for them.
+        self._in_order = _InOrder(list(self._shard)[::-1], self._shard, self.traffic,
+                                  self._add_grad, group=dist.new_group(),
+                                  after=self._free_all)
+        _refuse_full_parameters_once()
 
     def _after_forward(self, unit: nn.Module, args, out) -> None:
         """Free the unit's parameters; gather them again when backward reaches the unit,
@@ -272,14 +370,22 @@ class ZeroModel(nn.Module):
 
     def _make_grad_hook(self, unit: nn.Module) -> Callable:
         def hook(p: nn.Parameter) -> None:
-            part = reduce_scatter_mean(p.grad, self._shard[p], self.traffic).float()
-            s = self._slice[p]
-            s.grad = part if s.grad is None else s.grad.add_(part)
-            p.grad = None
+            self._in_order.ready(p)       # takes p.grad; reduce-scatters it in turn
             self._pending[unit] -= 1
-            if self._pending[unit] == 0:           # the unit's backward is done: free it
+            if self._pending[unit] == 0:      # the unit's backward is done: free
                 self._free(unit)
         return hook
+
+    def _add_grad(self, p: nn.Parameter, part: torch.Tensor) -> None:
+        s = self._slice[p]
+        part = part.float()
+        s.grad = part if s.grad is None else s.grad.add_(part)
+
+    def _free_all(self) -> None:
+        """At the end of the backward pass: free a unit that a parameter without a
+        gradient (unused on this rank) kept gathered."""
+        for unit in self.units:
+            self._free(unit)
 
     def forward(self, *args, **kwargs):
         if self.compute_dtype is not None:      # the inputs in the parameters' type
@@ -293,13 +399,40 @@ class ZeroModel(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, in float32, on every rank (one all-gather each): a
-        checkpoint that loads into the unsharded model."""
+        checkpoint that loads into the unsharded model. Every rank then holds the whole
+        model, which a model that needs stage 3 may not fit; PyTorch's
+        ``torch.distributed.checkpoint`` saves the shards instead (and can reshard them
+        for another N), or gathers them to rank 0's CPU with ``get_model_state_dict(model,
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True))``."""
         out = {}
         for name, p in self.module.named_parameters():
             if p in self._shard:
                 full = all_gather(self._slice[p].detach(), self._shard[p])
                 out[name] = full.view(self._shape[p])
         return out
+
+
+_REFUSING = []
+
+
+def _refuse_full_parameters(optimizer, args, kwargs) -> None:
+    """A global optimizer step pre-hook: stop an optimizer that was given the parameters
+    of a :class:`ZeroModel`, which never get a ``.grad`` (it would train nothing)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_dpbook_sharded", False):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} was given the parameters of a ZeroModel "
+                    "(model.parameters()). Between uses they hold nothing and their "
+                    "gradients go to this rank's float32 slices, so this optimizer would "
+                    "train nothing. Give it the slices: e.g. torch.optim.SGD("
+                    "model.shards(), lr=...)")
+
+
+def _refuse_full_parameters_once() -> None:
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    if not _REFUSING:
+        _REFUSING.append(register_optimizer_step_pre_hook(_refuse_full_parameters))
 
 
 def _cast_floats(args: tuple, kwargs: dict, dtype: torch.dtype) -> tuple[tuple, dict]:
