@@ -32,4 +32,4 @@ def test_mixed_precision_keeps_float32_master_weights_and_halves_the_bytes(fashi
 def test_unknown_hook_is_refused():
     with pytest.raises(ValueError, match="unknown hook"):
         ddp_hooks.register(None, "int8")
-    assert ddp_hooks.HOOKS["bf16"] is torch.bfloat16
+    assert ddp_hooks.HOOKS["bf16"].dtype is torch.bfloat16

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["quantize_2bit", "dequantize_2bit", "pack_2bit", "unpack_2bit", "TwoBitState",
-           "two_bit_hook", "payload_bytes"]
+           "two_bit_hook"]
 
 
 def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
@@ -62,21 +62,12 @@ def dequantize_2bit(packed: torch.Tensor, numel: int, threshold: float,
     return (unpack_2bit(packed, numel).to(dtype) - 1) * threshold
 
 
-def payload_bytes(numel: int, kind: str) -> int:
-    """Bytes one process hands to the collective for ``numel`` gradient entries."""
-    per_entry = {"none": 4, "fp16": 2}
-    if kind == "2bit":
-        return (numel + 3) // 4
-    if kind not in per_entry:
-        raise ValueError(f"unknown compression {kind!r}: choose none, fp16 or 2bit")
-    return numel * per_entry[kind]
-
-
 @dataclasses.dataclass
 class TwoBitState:
     """What :func:`two_bit_hook` keeps between steps: the threshold, one flat residual
-    per *parameter* (``residuals[param]``), and how many bytes this process has handed to
-    the collectives.
+    per *parameter* (``residuals[param]``), and, as a
+    :class:`~dpbook.torch.ddp_hooks.Counter` does, the collectives this process has
+    started (``calls``) and the bytes it handed to them (``bytes``).
 
     Residuals are not kept per bucket: DDP rebuilds its buckets after the first iteration
     (in the order the gradients arrived), so the parameters behind a bucket index change.
@@ -84,7 +75,8 @@ class TwoBitState:
 
     threshold: float
     residuals: dict = dataclasses.field(default_factory=dict)
-    bytes_sent: int = 0
+    calls: int = 0
+    bytes: int = 0
 
 
 def two_bit_hook(state, bucket):   # no annotations: DDP checks them, and this module's are strings
@@ -106,7 +98,8 @@ def two_bit_hook(state, bucket):   # no annotations: DDP checks them, and this m
     packed = quantize_2bit(grad, residual, state.threshold)
     for r, new in zip(residuals, residual.split([r.numel() for r in residuals])):
         r.copy_(new)                       # back to each parameter's own residual
-    state.bytes_sent += packed.numel()
+    state.calls += 1
+    state.bytes += packed.numel()              # uint8: one byte per 4 codes
     world_size = dist.get_world_size()
     gathered = [torch.empty_like(packed) for _ in range(world_size)]
     future = dist.all_gather(gathered, packed, async_op=True).get_future()

@@ -34,7 +34,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,13 +45,14 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ..tools import atomic_write
 from .data import fashion_mnist_datasets
+from . import ddp_hooks
 from .devices import get_scale, hardware_line
 from .dist import group_devices, per_process, process_group, rank_from_env, run
 from .evaluate import accuracy
 from .models import lenet, resnet18, seeded
 
 __all__ = ["Config", "build_model", "train_worker", "train_epoch", "save_checkpoint",
-           "resume", "crash_if_asked", "register_comm_hook", "spawn_train", "parser", "main"]
+           "resume", "crash_if_asked", "spawn_train", "parser", "main"]
 
 
 @dataclasses.dataclass
@@ -79,7 +79,7 @@ class Config:
     out: str | None = None            # rank 0 writes the results here (JSON)
     crash_rank: int | None = None     # for the failure demo: this rank kills itself …
     crash_epoch: int | None = None    # … at the start of this epoch, in the first attempt
-    comm_hook: str | None = None      # compress the gradients: "fp16" or "2bit"
+    comm_hook: str = "float32"        # how gradients travel: a name in ddp_hooks.HOOKS
     threshold: float = 0.01           # the 2-bit threshold (compression.two_bit_hook)
     device: str = "auto"              # "auto": a GPU per process if there are enough; "cpu"
 
@@ -156,23 +156,22 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
         optimizer = torch.optim.SGD(net.parameters(), lr=cfg.lr)
         start_epoch = resume(cfg, net, optimizer, device, rank, world_size)
         net = DDP(net, device_ids=[device.index] if device.type == "cuda" else None)
-        count_bytes = register_comm_hook(net, cfg.comm_hook, cfg.threshold)
+        sent = ddp_hooks.register(net, cfg.comm_hook, cfg.threshold)   # counts bytes
         _log(rank, world_size, f"backend {dist.get_backend()}, {world_size} process(es) on "
              f"{device.type}, {threads} thread(s) each, global batch {cfg.batch_size} = "
              f"{world_size} x {share}")
-        history, steps = [], 0
+        history = []
         for epoch in range(start_epoch, _epochs(cfg)):
             crash_if_asked(cfg, rank, epoch)
             sampler.set_epoch(epoch)              # a new shuffle, the same on every process
-            loss, examples, seconds, taken = train_epoch(net, optimizer, train_iter, device,
-                                                         cfg.max_steps)
-            steps += taken
+            loss, examples, seconds, _ = train_epoch(net, optimizer, train_iter, device,
+                                                     cfg.max_steps)
             for buffer in net.module.buffers():   # BatchNorm running stats: take rank 0's
                 dist.broadcast(buffer, src=0)
             test_acc = _evaluate(net.module, test, rank, world_size, device, share)
             history.append({"epoch": epoch + 1, "train_loss": loss, "test_acc": test_acc,
                             "seconds": seconds, "examples_per_sec": examples / seconds,
-                            "bytes_sent": count_bytes(steps)})
+                            "bytes_sent": sent.bytes})
             _log(rank, world_size, f"epoch {epoch + 1}: loss {loss:.3f}, test acc "
                  f"{test_acc:.3f}, {seconds:.1f} s, {examples / seconds:.0f} examples/s")
             if rank == 0 and cfg.checkpoint:      # one writer; others would race on the file
@@ -242,28 +241,6 @@ def crash_if_asked(cfg: Config, rank: int, epoch: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)      # as if the machine had died
 
 
-def register_comm_hook(net: DDP, kind: str | None, threshold: float = 0.01
-                       ) -> Callable[[int], int]:
-    """Make DDP send ``kind`` of gradients: ``None`` (float32, DDP's own allreduce),
-    ``"fp16"`` (PyTorch's ``fp16_compress_hook``) or ``"2bit"``
-    (:func:`dpbook.torch.compression.two_bit_hook`). Returns a function of the number of
-    steps taken that tells how many bytes of gradients this process has handed to the
-    collectives in them."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from .compression import TwoBitState, payload_bytes, two_bit_hook
-    if kind not in (None, "fp16", "2bit"):
-        raise ValueError(f"unknown comm_hook {kind!r}: choose 'fp16' or '2bit' (or None)")
-    numel = sum(p.numel() for p in net.parameters() if p.requires_grad)
-    if kind is None:
-        return lambda steps: steps * payload_bytes(numel, "none")
-    if kind == "fp16":
-        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        return lambda steps: steps * payload_bytes(numel, "fp16")
-    state = TwoBitState(threshold)                      # "2bit"
-    net.register_comm_hook(state, two_bit_hook)
-    return lambda steps: state.bytes_sent               # counted by the hook itself
-
-
 def spawn_train(nprocs: int, cfg: Config, timeout: float = 1800) -> dict:
     """Run :func:`train_worker` in ``nprocs`` new processes on this machine
     (:func:`dpbook.torch.dist.run`); return rank 0's results (also written to ``cfg.out``
@@ -303,7 +280,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="rank 0 writes the results here (JSON)")
     p.add_argument("--crash-rank", type=int, help="failure demo: this rank kills itself ...")
     p.add_argument("--crash-epoch", type=int, help="... at the start of this epoch")
-    p.add_argument("--comm-hook", choices=("fp16", "2bit"), help="compress the gradients")
+    p.add_argument("--comm-hook", choices=list(ddp_hooks.HOOKS), default="float32",
+                   help="how the gradients travel (fp16, bf16, 2bit: compressed)")
     p.add_argument("--threshold", type=float, default=0.01, help="the 2-bit threshold")
     p.add_argument("--device", choices=("auto", "cpu"), default="auto",
                    help="auto: one GPU per process when this machine has enough, else the "

@@ -1,16 +1,20 @@
-"""DDP communication hooks that count what they send.
+"""DDP communication hooks that count what they send, and the one list of them.
 
 DDP calls a communication hook once per bucket of gradients instead of its own
 allreduce (``model.register_comm_hook(state, hook)``). :func:`counting_hook` does what
 DDP does by default; :func:`counting_compress_hook` is PyTorch's ``fp16_compress_hook`` /
-``bf16_compress_hook``. Both add each call and its bytes to a :class:`Counter`, the
-``state`` they are registered with (:func:`recording_hook` instead writes down which
-parameters each bucket holds, in a :class:`BucketLog`)::
+``bf16_compress_hook``; :func:`dpbook.torch.compression.two_bit_hook` sends 2-bit codes.
+Each adds its calls and bytes to the ``state`` it is registered with (a :class:`Counter`,
+or the 2-bit hook's ``TwoBitState``). :data:`HOOKS` names them all, and :func:`register`
+puts one on a model — the training script's ``--comm-hook``, the precision and the
+compression pages use it::
 
-    counter = Counter()
-    model.register_comm_hook(counter, counting_hook)
+    counter = register(model, "fp16")
     ...                                    # train
     counter.calls, counter.bytes
+
+(:func:`recording_hook` instead writes down which parameters each bucket holds, in a
+:class:`BucketLog`.)
 
 DDP checks a hook's annotations at run time (``bucket: dist.GradBucket``, returning
 ``torch.futures.Future[torch.Tensor]``), so this module does not postpone them
@@ -22,8 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-__all__ = ["Counter", "counting_hook", "counting_compress_hook", "HOOKS", "register",
-           "BucketLog", "recording_hook"]
+from .compression import TwoBitState, two_bit_hook
+
+__all__ = ["Counter", "counting_hook", "counting_compress_hook", "Hook", "HOOKS",
+           "payload_bytes", "register", "BucketLog", "recording_hook"]
 
 
 @dataclasses.dataclass
@@ -57,18 +63,49 @@ def counting_compress_hook(counter: Counter, bucket: dist.GradBucket) -> torch.f
     return hook(None, bucket)                  # None: the default process group
 
 
-#: name → the dtype the gradients travel in (``None``: DDP's float32 allreduce)
-HOOKS = {"float32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """How one entry of :data:`HOOKS` sends a float32 gradient entry."""
+
+    bits: int                            # on the wire, per gradient entry
+    dtype: torch.dtype | None = None     # what fp16/bf16 cast the bucket to
 
 
-def register(model: torch.nn.parallel.DistributedDataParallel, name: str = "float32"
-             ) -> Counter:
-    """Register the counting hook ``name`` (a key of :data:`HOOKS`) on ``model``; return
-    its counter."""
+#: name → how DDP sends the gradients with that hook
+HOOKS = {"float32": Hook(32),                          # counting_hook: DDP's own allreduce
+         "fp16": Hook(16, torch.float16),              # counting_compress_hook
+         "bf16": Hook(16, torch.bfloat16),             # counting_compress_hook
+         "2bit": Hook(2)}                              # compression.two_bit_hook
+
+
+def _hook(name: str) -> Hook:
     if name not in HOOKS:
         raise ValueError(f"unknown hook {name!r}; choose from {list(HOOKS)}")
-    counter = Counter(dtype=HOOKS[name])
-    model.register_comm_hook(counter, counting_hook if counter.dtype is None
+    return HOOKS[name]
+
+
+def payload_bytes(numel: int, name: str) -> int:
+    """Bytes one process hands to the collectives for ``numel`` gradient entries with the
+    hook ``name``.
+
+    >>> [payload_bytes(1001, name) for name in ("float32", "bf16", "2bit")]
+    [4004, 2002, 251]
+    """
+    return -(-numel * _hook(name).bits // 8)             # whole bytes, rounded up
+
+
+def register(model: torch.nn.parallel.DistributedDataParallel, name: str = "float32",
+             threshold: float = 0.01) -> Counter | TwoBitState:
+    """Put the hook ``name`` (a key of :data:`HOOKS`) on ``model`` and return its state:
+    its ``calls`` and ``bytes`` grow as DDP sends gradients. ``threshold`` is the 2-bit
+    hook's."""
+    hook = _hook(name)
+    if name == "2bit":
+        state = TwoBitState(threshold)
+        model.register_comm_hook(state, two_bit_hook)
+        return state
+    counter = Counter(dtype=hook.dtype)
+    model.register_comm_hook(counter, counting_hook if hook.dtype is None
                              else counting_compress_hook)
     return counter
 
