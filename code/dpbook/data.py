@@ -149,7 +149,7 @@ def read_fashion_mnist(root: str | os.PathLike | None = None, mirrors: Sequence[
 
 def pixels(X: np.ndarray, normalize: bool = False) -> np.ndarray:
     """uint8 images → float32 in [0, 1], or standardized with the training set's pixel mean
-    and standard deviation (:data:`FASHION_MNIST_MEAN`, :data:`FASHION_MNIST_STD`) when
+    and standard deviation (``FASHION_MNIST_MEAN``, ``FASHION_MNIST_STD``) when
     ``normalize``. The PyTorch and JAX loaders both use it; they only add a channel axis."""
     X = X.astype(np.float32) / 255
     if normalize:

@@ -6,7 +6,7 @@ d2l's Animator only shows anything inside Jupyter. This one
   notebook, and so the rendered site, keeps the last drawing),
 * writes an image file after every point when there is no notebook (a script, a test),
   so ``python train.py`` leaves a picture you can open while it runs,
-* keeps every point in :attr:`Animator.X` / :attr:`Animator.Y` so tests can check them.
+* keeps every point in ``Animator.X`` / ``Animator.Y`` so tests can check them.
 
 It draws on a bare :class:`matplotlib.figure.Figure` (no pyplot, no GUI backend needed).
 """

@@ -90,7 +90,7 @@ def benchmark(fn: Callable[[], Any], repeats: int, warmup: int = 1,
 
 
 class Accumulator:
-    """Sum ``n`` quantities over many calls to :meth:`add` (losses, correct counts, sizes)."""
+    """Sum ``n`` quantities over many calls to ``add`` (losses, correct counts, sizes)."""
 
     def __init__(self, n: int):
         self.data = [0.0] * n

@@ -1,6 +1,6 @@
 """dpbook for JAX: ``from dpbook import jax as dp``.
 
-Call :func:`dpbook.emulate_cpu_devices` *before* importing this (it imports jax).
+Call :func:`dpbook.devices.emulate_cpu_devices` *before* importing this (it imports jax).
 Re-exports the framework-free core (``dp.Timer`` here waits for JAX arrays) and adds the
 JAX/Flax helpers. Never imports torch. Importing it checks that jax, flax and optax are
 recent enough (:mod:`dpbook.versions`).

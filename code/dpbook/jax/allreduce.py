@@ -94,5 +94,5 @@ def ring_vs_psum(devices: Sequence[jax.Device], size: int, seed: int = 0) -> flo
 def time_allreduce(jitted: Callable, x: jax.Array, num_repeats: int) -> float:
     """Seconds per call of ``jitted(x)``: one warm-up call (it compiles), then the mean of
     ``num_repeats`` calls, each timed on its own until its result is computed
-    (:func:`dpbook.tools.benchmark` with the JAX :class:`~dpbook.jax.Timer`)."""
+    (:func:`dpbook.tools.benchmark` with the JAX :class:`~dpbook.jax.devices.Timer`)."""
     return benchmark(lambda: jitted(x), num_repeats, timer=Timer(start=False)).avg()

@@ -30,7 +30,7 @@ def get_devices(n: int | None = None) -> list[jax.Device]:
     """The ``n`` devices a chapter uses: the first ``n`` of ``jax.devices()``.
 
     ``n`` defaults to ``$DPBOOK_NUM_DEVICES``, else all devices, but at least 2 when the
-    CPU has 2 emulated devices (:func:`dpbook.emulate_cpu_devices`, called before
+    CPU has 2 emulated devices (:func:`dpbook.devices.emulate_cpu_devices`, called before
     ``import jax``). A GPU is one device in JAX: on a machine with fewer GPUs than ``n``,
     the chapters run on ``n`` emulated CPU devices instead (:func:`devices_note` says so).
     """
@@ -66,14 +66,14 @@ def synchronize(result: Any = None) -> None:
 
 
 class Timer(tools.Timer):
-    """:class:`dpbook.Timer` for JAX: ``timer.stop(result)`` waits for ``result`` first."""
+    """:class:`dpbook.tools.Timer` for JAX: ``timer.stop(result)`` waits for ``result`` first."""
 
     def __init__(self, *, start: bool = True):
         super().__init__(sync=synchronize, start=start)
 
 
 def get_scale(name: str | None = None) -> config.Scale:
-    """:func:`dpbook.get_scale` with the default chosen by the number of GPUs."""
+    """:func:`dpbook.config.get_scale` with the default chosen by the number of GPUs."""
     return config.get_scale(name, num_gpus=len(_gpus()))
 
 
@@ -90,7 +90,7 @@ def split_batch(X, y, devices: Sequence[jax.Device], weights: Sequence[float] | 
                 ) -> tuple[list[jax.Array], list[jax.Array]]:
     """Split a minibatch along its first axis, shard ``i`` placed on ``devices[i]``.
 
-    Shards are as equal as possible (:func:`dpbook.split_sizes`: 10 examples on 4 devices
+    Shards are as equal as possible (:func:`dpbook.devices.split_sizes`: 10 examples on 4 devices
     → 3, 3, 2, 2), or in proportion to ``weights`` (``weights=[3, 1]`` gives the first
     device three quarters); a batch smaller than the number of devices is refused with a
     ``ValueError``. Unequal shard shapes make jitted code compile once per shape, so

@@ -28,7 +28,7 @@ def pad_batch(X: np.ndarray, y: np.ndarray, sizes: Sequence[int]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Lay out a minibatch for devices that get ``sizes[i]`` real examples each.
 
-    ``sizes`` come e.g. from :func:`dpbook.split_sizes` (even, or by ``weights``).
+    ``sizes`` come e.g. from :func:`dpbook.devices.split_sizes` (even, or by ``weights``).
     Every device's block gets ``m = max(sizes)`` rows: device i's ``sizes[i]`` examples
     (in order), then zeros. Returns ``X`` (N * m, ...), ``y`` (N * m,) and a float32
     ``mask`` (N * m,) that is 1 for a real example and 0 for padding. Split along the

@@ -63,7 +63,7 @@ def train(num_devices: int, batch_size: int, lr: float,
     ``nn.DataParallel`` over ``num_devices`` devices; :func:`data_parallel_info` of the
     wrapper is returned in ``extra["data_parallel"]`` and the wrapper as ``model``. The minibatch is the *global* one:
     DataParallel splits it across the devices. Each epoch's time covers training only
-    (synchronized); the test accuracy is computed with :func:`evaluate_accuracy_gpus`.
+    (synchronized); the test accuracy is computed with :func:`~dpbook.torch.evaluate.evaluate_accuracy_gpus`.
     """
     scale = scale or get_scale()
     num_epochs = num_epochs or scale.resnet_epochs

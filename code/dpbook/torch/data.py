@@ -45,7 +45,7 @@ def load_data_fashion_mnist(batch_size: int, num_train: int | None = None,
     """``(train_iter, test_iter)`` over Fashion-MNIST.
 
     ``num_train`` / ``num_test`` take a fixed subset (``None``: everything), e.g. the
-    sizes of :func:`dpbook.torch.get_scale`. The training loader reshuffles every epoch
+    sizes of :func:`dpbook.torch.devices.get_scale`. The training loader reshuffles every epoch
     from a generator seeded with ``seed``, so two runs see the same batches.
     ``normalize`` standardizes the images (see :func:`to_tensors`).
     """

@@ -65,7 +65,7 @@ def synchronize(devices: Sequence[torch.device] | None = None) -> None:
 
 
 class Timer(tools.Timer):
-    """:class:`dpbook.Timer` that synchronizes the GPUs in ``devices`` (default: the
+    """:class:`dpbook.tools.Timer` that synchronizes the GPUs in ``devices`` (default: the
     current one) before reading the clock."""
 
     def __init__(self, devices: Sequence[torch.device] | None = None, *, start: bool = True):
@@ -81,7 +81,7 @@ def full_float32() -> None:
 
 
 def get_scale(name: str | None = None) -> config.Scale:
-    """:func:`dpbook.get_scale` with the default chosen by ``torch.cuda.device_count()``."""
+    """:func:`dpbook.config.get_scale` with the default chosen by ``torch.cuda.device_count()``."""
     return config.get_scale(name, num_gpus=torch.cuda.device_count())
 
 
@@ -99,7 +99,7 @@ def split_batch(X: torch.Tensor, y: torch.Tensor, devices: Sequence[torch.device
                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Split a minibatch along its first axis into one shard per device.
 
-    Shards are as equal as possible (:func:`dpbook.split_sizes`: 10 examples on 4 devices
+    Shards are as equal as possible (:func:`dpbook.devices.split_sizes`: 10 examples on 4 devices
     → 3, 3, 2, 2), or in proportion to ``weights`` (say, each device's measured
     examples per second: ``weights=[3, 1]`` gives the first device three quarters); a
     batch smaller than the number of devices is refused with a ``ValueError``. Returns

@@ -117,7 +117,7 @@ def train(num_devices: int, batch_size: int, lr: float, num_epochs: int | None =
     ``init_lenet_params(seed)``, so runs with different device counts are comparable.
     The images are standardized (mean 0, variance 1). The learning rate rises linearly
     to ``lr`` over the first fifth of the steps (warm-up), then decays to nearly 0 along
-    a cosine (:func:`dpbook.cosine_lr`), so the last epochs settle instead of jumping
+    a cosine (:func:`dpbook.tools.cosine_lr`), so the last epochs settle instead of jumping
     around.
     Returns a :class:`dpbook.tools.TrainResult` (``model``: the per-device parameters);
     each epoch's time covers training only (synchronized), not evaluation.
