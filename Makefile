@@ -30,13 +30,14 @@ notebooks: $(STAMP)
 outputs: $(STAMP)
 	$(PY) tools/runs.py
 
+# Two workers (pytest-xdist): the notebooks and the site build on one, the rest on the other.
 test: $(STAMP)
-	DPBOOK_SCALE=quick $(PY) -m pytest
+	DPBOOK_SCALE=quick $(PY) -m pytest -n 2 --dist loadgroup
 
 # The edit-test loop (under 3 minutes on 2 cores): no notebooks, no book build, no process
 # groups, no timing targets.
 test-fast: $(STAMP)
-	DPBOOK_SCALE=quick $(PY) -m pytest -q -m "not notebook and not site and not multiprocess and not slow"
+	DPBOOK_SCALE=quick $(PY) -m pytest -q -n 2 -m "not notebook and not site and not multiprocess and not slow"
 
 # On a machine with GPUs: every notebook at the quick scale on them, DDP under NCCL.
 # Without a GPU every test skips, saying why.

@@ -55,6 +55,11 @@ def pytest_collection_modifyitems(config, items):
     # Tests of the built site run last: test_notebooks stores the runs the site build
     # then reuses (see `book_out`), whatever the file names.
     items.sort(key=lambda item: "site" in getattr(item, "fixturenames", ()))
+    # Under pytest-xdist (`make test` runs two workers) the notebooks and the site that
+    # reuses their runs share one worker, in this order; the other tests share the rest.
+    for item in items:
+        if {"book_out", "site"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("book"))
     num_gpus = None
     for item in items:
         if "slow" in item.keywords and not config.getoption("--run-slow"):

@@ -280,7 +280,7 @@ def test_the_compat_environment_is_the_minimum():
     dpbook/versions.yml; this checks that the shell reads it right)."""
     from dpbook import versions
     script = (ROOT / "tools/compat.sh").read_text()
-    block = script[script.index("OLDEST="):script.index("NEWEST=")]
+    block = script[script.index("OLDEST="):script.index("newest_torch() {")]
     out = subprocess.run(["bash", "-c", block + 'echo "$OLDEST"'], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout.split()
     pins = dict(p.split("==") for p in out)

@@ -50,10 +50,12 @@ def test_run_local_kills_everything_when_one_fails():
               "'import time; time.sleep(60)']); time.sleep(60)"
     start = time.monotonic()
     with pytest.raises(launch.LaunchError, match="failed") as info:
-        launch.run_local([[PY, "-c", sleeper], [PY, "-c", "import sys; sys.exit(3)"]],
+        launch.run_local([[PY, "-c", sleeper],
+                          [PY, "-c", "import sys; print('out of disk'); sys.exit(3)"]],
                          timeout=30)
     assert time.monotonic() - start < 10
     assert info.value.results[1].returncode == 3
+    assert str(info.value).endswith("The last lines of command 1:\nout of disk")  # the cause
     assert not _sessions_alive(info.value.results)
 
 

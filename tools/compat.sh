@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The notebooks under other releases than the pinned ones, each set in its own virtual
-# environment (.venv-<name>, reused while this file is unchanged):
+# environment (.venv-<name>, reused while this file, the requirements and the releases
+# it installs are unchanged):
 #
 #   bash tools/compat.sh oldest   # the oldest releases the book accepts (dpbook.versions):
 #                                 # every English notebook at the quick scale
@@ -21,12 +22,17 @@ print(" ".join(f"{p}=={v}.*" if p == "torch" else f"{p}=={v}" for p, v in pins.i
       f"jaxlib=={pins['jax']}")
 PY
 )"
-NEWEST="torch==2.14.1"
+# the newest: the newest torch release the registry serves today
+newest_torch() {
+  python3 -m pip index versions torch 2>/dev/null | sed -n 's/^torch (\(.*\))$/\1/p'
+}
 
 name="${1:?usage: tools/compat.sh oldest|newest}"
 case "$name" in
   oldest) pins="$OLDEST"; pattern='^(import dpbook|from dpbook)' ;;       # every notebook
-  newest) pins="$NEWEST"; pattern='dpbook import torch|dpbook\.torch' ;;  # the PyTorch ones
+  newest) version="$(newest_torch)"
+          [ -n "$version" ] || { echo "compat: cannot ask the registry for torch's releases" >&2; exit 1; }
+          pins="torch==$version"; pattern='dpbook import torch|dpbook\.torch' ;;  # the PyTorch ones
   *) echo "unknown environment $name: oldest or newest" >&2; exit 2 ;;
 esac
 # pages that import a module with a higher floor of its own (versions.yml `modules`) need
@@ -43,7 +49,8 @@ for nb in $(grep -l -E "$pattern" chapters/en/*/*.md | sort); do
 done
 
 venv=".venv-$name"
-stamp="$venv/.dpbook-$(cat "$0" requirements.txt code/pyproject.toml | sha256sum | cut -c1-16)"
+stamp="$venv/.dpbook-$( (cat "$0" requirements.txt code/pyproject.toml; echo "$pins") |
+                        sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   rm -rf "$venv"
   python3 -m venv "$venv"
@@ -61,4 +68,7 @@ fi
 "$venv/bin/python" -c 'import importlib.metadata as m
 print("compat:", ", ".join(f"{p} {m.version(p)}" for p in ("torch", "jax", "flax", "optax")))'
 echo "compat: ${#tests[@]} notebooks"
-DPBOOK_SCALE=quick "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=5 "${tests[@]}"
+# two workers, each taking the next notebook (no site is built here, so the notebooks need
+# not share one worker as in `make test`)
+DPBOOK_SCALE=quick "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=5 \
+  -n 2 --dist load "${tests[@]}"

@@ -90,14 +90,16 @@ def run_local(commands: Sequence[Sequence[str]], timeout: float = 120,
                               cwd=cwd, start_new_session=True)
              for cmd, log in zip(commands, logs)]
     ends: list[float | None] = [None] * len(procs)
-    failed = timed_out = False
+    failed: int | None = None               # the first command that failed by itself
+    timed_out = False
     try:
         while any(e is None for e in ends):
             for i, p in enumerate(procs):
                 if ends[i] is None and p.poll() is not None:
                     ends[i] = time.monotonic()
-                    failed |= check and p.returncode != 0
-            if failed:
+                    if check and p.returncode != 0 and failed is None:
+                        failed = i
+            if failed is not None:
                 break
             if time.monotonic() - start > timeout:
                 timed_out = True
@@ -116,8 +118,9 @@ def run_local(commands: Sequence[Sequence[str]], timeout: float = 120,
     if timed_out:
         raise LaunchError(f"{len(commands)} command(s) still running after {timeout} s; "
                           "all killed", results)
-    if failed:
+    if failed is not None:
         codes = [r.returncode for r in results]
-        raise LaunchError(f"a command failed (exit codes {codes}); the others were killed",
-                          results)
+        tail = "\n".join(results[failed].output.splitlines()[-20:])
+        raise LaunchError(f"a command failed (exit codes {codes}); the others were killed. "
+                          f"The last lines of command {failed}:\n{tail}", results)
     return results

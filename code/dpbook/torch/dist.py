@@ -174,6 +174,13 @@ def _run_child(rank: int, nprocs: int, worker: Callable[..., Any], where: Placem
     result = worker(rank, nprocs, *args)
     if keep or rank == 0:
         torch.save(result, os.path.join(folder, f"rank-{rank}.pt"))
+    # Leave without the interpreter's teardown: there, a gloo thread that still holds a
+    # finished collective's tensors can need the GIL and abort the process ("terminate
+    # called without an active exception", now and then, with torch 2.8 and 2.14;
+    # pytorch/pytorch#179291). The result is saved; exit code 0 tells `spawn` so.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(worker: Callable[..., Any], nprocs: int, *args: Any, on: str = "auto",
