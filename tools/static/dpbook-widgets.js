@@ -94,7 +94,7 @@
   }
 
   function formatBytes(n) {
-    var units = ["B", "KB", "MB", "GB"], i = 0;
+    var units = ["B", "KiB", "MiB", "GiB"], i = 0;      // powers of 1024, so say so
     while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
     return (n >= 100 ? n.toFixed(0) : n.toPrecision(3).replace(/\.?0+$/, "")) + " " + units[i];
   }
@@ -258,7 +258,9 @@
 
   /* Frames of a recorded run: frame 0 holds the initial tensors; frame k the messages of
    * round k (each rank's k-th send) and every rank's tensor once that round is done (its
-   * tensor at its next send, or its final one). */
+   * tensor at its next send, or its final one). Right for the plain ring the page records;
+   * a ring that sends twice per step (pipelined, bidirectional) would need its sends
+   * grouped by time instead. */
   function framesOf(trace) {
     var sends = trace.ranks.map(function (r) { return r.events.filter(isSend); });
     var rounds = Math.max.apply(null, sends.map(function (s) { return s.length; }));

@@ -3,8 +3,9 @@
 
 :func:`profile` returns a Chrome trace per wrapper of :mod:`dpbook.torch.ddp_by_hand`
 (or DDP); :func:`timeline` turns a trace into ``(start, length)`` spans of the backward
-functions and of the allreduce; :func:`overlap_fraction` is the share of allreduce time
-that ran during backward.
+functions and of the allreduce; :func:`overlap_fraction` is the share of the time the
+allreduces were in flight (handed to the library, not yet done, waiting for peers
+included) that fell during backward.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def _union(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def overlap_fraction(lanes: dict[str, list[tuple[float, float]]]) -> float:
-    """The share of the allreduce lane's busy time during which backward was running too:
+    """The share of the allreduce lane's in-flight time during which backward ran too:
     0 when communication only starts after backward, near 1 when it hides behind it."""
     comm, back = _union(lanes["allreduce"]), _union(lanes["backward"])
     busy = sum(b - a for a, b in comm)
