@@ -33,6 +33,32 @@ def test_one_notebook_per_myst_notebook(lang):
     assert generated == sources
 
 
+def test_chinese_notebooks_show_chinese_hints():
+    """A Chinese notebook carries its English twin's outputs, with the checked exercises'
+    lines said in Chinese: no hint of hints.yml in English, and the Chinese ones there."""
+    from dpbook.exercises import HINTS
+    shown = []
+    for path in sorted((notebooks.OUT / "zh").rglob("*.ipynb")):
+        text = "\n".join(o.get("text", "") for c in nbformat.read(path, as_version=4).cells
+                         for o in c.get("outputs", []))
+        assert not [h["en"] for h in HINTS.values() if h["en"] in text], path
+        shown += [key for key, h in HINTS.items() if f"提示：{h['zh']}" in text]
+    assert len(shown) >= 5, shown       # the pages' first attempts fail with their hints
+
+
+def test_translate_checks():
+    from dpbook.exercises import HINTS
+    hint = HINTS["exception"]
+    english = (f"x = 1\n✗ check_f: the smallest failing case is n=3\n  seen: [1, 2]\n"
+               f"  hint: {hint['en']}\n  hint: a hint of the reader's own\n"
+               f"✓ check_g: all 12 cases pass\n")
+    assert notebooks.translate_checks(english, "zh") == (
+        f"x = 1\n✗ check_f：没有通过的最小用例是n=3\n  实际结果：[1, 2]\n"
+        f"  提示：{hint['zh']}\n  hint: a hint of the reader's own\n"
+        f"✓ check_g：12个用例全部通过\n")
+    assert notebooks.translate_checks(english, "en") == english
+
+
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_notebooks_are_self_contained(lang):
     for path in sorted((notebooks.OUT / lang).rglob("*.ipynb")):

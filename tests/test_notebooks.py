@@ -13,6 +13,7 @@ import pytest
 
 from book import ROOT, notebooks, with_outputs_of  # first: it puts tools/ on sys.path
 import runs  # noqa: E402  (tools/runs.py)
+from dpbook.exercises import HINTS
 from conftest import require_data
 
 pytestmark = pytest.mark.notebook     # executes notebooks (make test-fast skips them)
@@ -42,7 +43,7 @@ def test_notebook_runs(path, book_out):
     en = ROOT / "chapters/en"
     twin = None if path.is_relative_to(en) else path.relative_to(ROOT / "chapters/zh")
     if twin in EXECUTED:
-        nb = with_outputs_of(jupytext.read(path), EXECUTED[twin], str(path))
+        nb = with_outputs_of(jupytext.read(path), EXECUTED[twin], str(path), "zh")
     else:                      # an English notebook, or a Chinese one run on its own (-k)
         nb = execute(path)
         if path.is_relative_to(en):
@@ -50,6 +51,9 @@ def test_notebook_runs(path, book_out):
     text = outputs_text(nb)
     assert "hardware | " in text, "a notebook must print the hardware line of its run"
     assert "scale: quick" in text
+    if not path.is_relative_to(en):     # a Chinese page shows its checks' hints in Chinese
+        english = [h["en"] for h in HINTS.values() if h["en"] in text]
+        assert not english, english
     if path.is_relative_to(en):     # where the test build of the book looks for runs
         entry = path.relative_to(ROOT).with_suffix("").as_posix()
         runs.save(nb, runs.stored_path(entry, "quick", book_out / "outputs"))

@@ -155,3 +155,19 @@ def test_api_reference_documents_the_public_api(site):
             obj = getattr(dpbook, name)
             if callable(obj) and hasattr(obj, "__module__") and obj.__module__.startswith("dpbook"):
                 assert text.count(f'id="{obj.__module__}.{obj.__qualname__}"') == 1, name
+
+
+def test_chinese_pages_show_chinese_hints(site):
+    """The Chinese pages take the English runs' outputs, with the checked exercises'
+    lines said in Chinese (tools/notebooks.translate_checks): no English hint on them."""
+    from dpbook.exercises import HINTS
+    english = {key: html.escape(h["en"], quote=False) for key, h in HINTS.items()}
+    chinese = {key: html.escape(h["zh"], quote=False) for key, h in HINTS.items()}
+    shown = []
+    for entry in toc_files("zh"):
+        if not is_notebook(ROOT / f"{entry}.md"):
+            continue
+        page = _page(site, "zh", entry)
+        assert not [k for k, text in english.items() if text in page], entry
+        shown += [k for k, text in chinese.items() if f"提示：{text}" in page]
+    assert shown, "no Chinese hint on any Chinese page"

@@ -58,7 +58,7 @@ def fill_cache(out: Path, scale: str, executed: dict) -> Path:
         for entry in notebook_entries(lang):
             path = ROOT / f"{entry}.md"
             twin = entry.replace(f"chapters/{lang}/", "chapters/en/", 1)
-            nb = with_outputs_of(jupytext.read(path), executed[twin], entry)
+            nb = with_outputs_of(jupytext.read(path), executed[twin], entry, lang)
             jc.cache_notebook_bundle(CacheBundleIn(nb, str(path)), overwrite=True)
     return cache
 

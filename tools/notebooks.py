@@ -24,6 +24,7 @@ before running anything; a Chinese notebook carries its English twin's.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import sys
@@ -105,9 +106,11 @@ def colab_url(entry: str, lang: str) -> str:
 
 
 def with_outputs_of(nb: nbformat.NotebookNode, executed: nbformat.NotebookNode,
-                    name: str = "notebook") -> nbformat.NotebookNode:
+                    name: str = "notebook", lang: str = "en") -> nbformat.NotebookNode:
     """``nb`` with the outputs of ``executed``, cell by cell; raise ValueError unless
-    their code cells are the same, comments aside (the two editions of a chapter are)."""
+    their code cells are the same, comments aside (the two editions of a chapter are).
+    For another ``lang`` than English, what the checked exercises printed is said in
+    ``lang`` (:func:`translate_checks`)."""
     mine = [c for c in nb.cells if c.cell_type == "code"]
     theirs = [c for c in executed.cells if c.cell_type == "code"]
     if len(mine) != len(theirs):
@@ -117,7 +120,38 @@ def with_outputs_of(nb: nbformat.NotebookNode, executed: nbformat.NotebookNode,
             raise ValueError(f"{name}: code differs from its twin:\n{a.source}\n---\n{b.source}")
     for a, b in zip(mine, theirs):
         a.outputs, a.execution_count = b.outputs, b.execution_count
+        if lang != "en" and any(o.output_type == "stream" for o in a.outputs):
+            a.outputs = copy.deepcopy(a.outputs)          # the twin's stay English
+            for o in a.outputs:
+                if o.output_type == "stream":
+                    o.text = translate_checks(o.text, lang)
     return nb
+
+
+def translate_checks(text: str, lang: str) -> str:
+    """``text`` printed by an English run, with the lines of the checked exercises
+    (:func:`dpbook.exercises.run_check`: pass, failing case, what was seen, hint) said in
+    ``lang``, from the templates and ``hints.yml`` of :mod:`dpbook.exercises`. Other lines,
+    and a hint that is not in ``hints.yml``, stay as they are."""
+    from dpbook.exercises import HINTS, MESSAGES
+    if lang == "en":
+        return text
+    hints = {h["en"]: h[lang] for h in HINTS.values()}
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        for kind, say in MESSAGES.items():
+            pattern = re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>.*)", re.escape(say["en"]))
+            m = re.fullmatch(pattern, line)
+            if m is None:
+                continue
+            fields = m.groupdict()
+            if kind == "hint":
+                if fields["hint"] not in hints:
+                    break
+                fields["hint"] = hints[fields["hint"]]
+            lines[i] = say[lang].format(**fields)
+            break
+    return "\n".join(lines)
 
 
 def notebook_path(entry: str) -> Path:
@@ -244,7 +278,7 @@ def to_ipynb(entry: str, lang: str) -> nbformat.NotebookNode:
     run, values = stored_run(entry), {}
     if run is not None:
         try:
-            nb = with_outputs_of(nb, run, entry)
+            nb = with_outputs_of(nb, run, entry, lang)
             values = glued(run)
         except ValueError:          # the code changed since that run: no outputs
             pass
