@@ -3,6 +3,7 @@ the package's own solution and fails known-wrong ones with the expected hint, in
 and in Chinese; the multi-process check leaves no process behind."""
 from __future__ import annotations
 
+import io
 import os
 
 import jax
@@ -72,9 +73,20 @@ def lumped_sizes(n, k, weights=None):     # the whole remainder on the last devi
     return [n // k] * (k - 1) + [n - (k - 1) * (n // k)]
 
 
+def floor_weighted_sizes(n, k, weights=None):   # even split right; weights: floor, rest last
+    if weights is None:
+        return split_sizes(n, k)
+    sizes = [int(n * w / sum(weights)) for w in weights]
+    return sizes[:-1] + [n - sum(sizes[:-1])]
+
+
 def jax_allreduce_on_first(data):         # the sum, but only on the first device
     total = sum(jax.device_put(x, list(data[0].devices())[0]) for x in data)
     return [total] * len(data)
+
+
+def jax_builtin_sum_allreduce(data):      # sum() of arrays that live on different devices
+    return [sum(data)] * len(data)
 
 
 def jax_partial_allreduce(data):          # each device adds its left neighbour only
@@ -87,6 +99,18 @@ def neighbour_ring(x, axis_name):         # one step around the ring: right for 
     if n == 1:
         return x
     return x + lax.ppermute(x, axis_name, [(j, (j + 1) % n) for j in range(n)])
+
+
+def psum_ring(x, axis_name):              # the built-in allreduce: right sums, no ring
+    return lax.psum(x, axis_name)
+
+
+def whole_array_ring(x, axis_name):       # passes the whole array N - 1 times: N - 1 × x
+    n, total = lax.axis_size(axis_name), x
+    for _ in range(n - 1):
+        x = lax.ppermute(x, axis_name, [(j, (j + 1) % n) for j in range(n)])
+        total = total + x
+    return total
 
 
 def open_ring(x, axis_name):              # the ring never closes: device 0 receives nothing
@@ -112,6 +136,10 @@ def zeroing_accumulation(model, X, y, k):    # zeroes the gradients in the loop
     for Xm, ym in zip(X.chunk(k), y.chunk(k)):
         model.zero_grad()
         (F.cross_entropy(model(Xm), ym) / k).backward()
+
+
+def whole_batch_accumulation(model, X, y, k):   # ignores the micro-batches: right grads
+    F.cross_entropy(model(X), y).backward()
 
 
 def right_shard(t, rank, world_size):
@@ -156,6 +184,17 @@ def one_per_parameter(sizes, cap):           # right order, but no grouping
     return [[i] for i in reversed(range(len(sizes)))]
 
 
+def at_most_cap_buckets(sizes, cap):         # right order, but never above the cap
+    out, current, size = [], [], 0
+    for i in reversed(range(len(sizes))):
+        if current and size + sizes[i] > cap:
+            out.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += sizes[i]
+    return out + [current] if current else out
+
+
 def right_two_bit(grad, residual, t):
     packed = compression.quantize_2bit(grad, residual, t)
     return compression.dequantize_2bit(packed, grad.numel(), t), residual
@@ -169,6 +208,12 @@ def gradient_only_two_bit(grad, residual, t):    # ignores the residual when qua
 def forgetful_two_bit(grad, residual, t):        # never updates the residual
     v = grad + residual
     return t * ((v >= t).float() - (v <= -t).float()), residual
+
+
+def strict_two_bit(grad, residual, t):          # > where >= is meant: ±t become 0
+    v = grad + residual
+    q = t * ((v > t).float() - (v < -t).float())
+    return q, v - q
 
 
 def right_replicate(params, devices):
@@ -233,6 +278,19 @@ def leaky_save(state, path):                 # atomic, but a crash leaves the te
     os.replace(path + ".tmp", path)
 
 
+def buffered_save(state, path):              # serialized in memory, then path written over
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getvalue())
+
+
+def unprotected_temporary_save(state, path):     # open() a temporary, no cleanup
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+    os.replace(path + ".tmp", path)
+
+
 def tail_padding(X, y, sizes):               # pads the end of the batch, not each block
     k, m = len(sizes), max(sizes)
     X_pad, y_pad = np.zeros((k * m, *X.shape[1:]), X.dtype), np.zeros(k * m, y.dtype)
@@ -290,6 +348,14 @@ def replacing_scan(params, apply_fn, X, y, k):     # the carry keeps the last gr
     return _scan(params, apply_fn, X, y, k, 1 / k, False)
 
 
+def stacking_scan(params, apply_fn, X, y, k):     # right numbers, k gradients as ys
+    Xs, ys = X.reshape(k, -1, *X.shape[1:]), y.reshape(k, -1)
+    grad_fn = jax.value_and_grad(jax_step.mixed_loss)
+    _, (losses, grads) = lax.scan(lambda c, b: (c, grad_fn(params, apply_fn, *b)), 0.0,
+                                  (Xs, ys))
+    return losses.mean(), jax.tree.map(lambda g: g.mean(0), grads)
+
+
 def python_loop(params, apply_fn, X, y, k):        # right numbers, k copies when traced
     losses, total = [], jax.tree.map(jnp.zeros_like, params)
     for Xi, yi in zip(jnp.split(X, k), jnp.split(y, k)):
@@ -303,34 +369,42 @@ def python_loop(params, apply_fn, X, y, k):        # right numbers, k copies whe
 
 CHECKS = [
     (exercises.check_split_sizes, split_sizes,
-     [(floor_sizes, "split-sizes-total"), (lumped_sizes, "split-sizes-even")]),
+     [(floor_sizes, "split-sizes-total"), (lumped_sizes, "split-sizes-even"),
+      (floor_weighted_sizes, "split-sizes-weights")]),
     (torch_exercises.check_allreduce, torch_scratch.allreduce,
      [(rebinding_allreduce, "allreduce-rebind"), (two_device_allreduce, "allreduce-sum"),
       (mean_allreduce, "allreduce-mean")]),
     (torch_exercises.check_split_batch, split_batch,
      [(dropping_split, "split-batch-order"), (chunk_split, "split-batch-count")]),
     (torch_exercises.check_buckets, right_buckets,
-     [(forward_buckets, "buckets-order"), (one_per_parameter, "buckets-cap")]),
+     [(forward_buckets, "buckets-order"), (one_per_parameter, "buckets-cap"),
+      (at_most_cap_buckets, "buckets-cap")]),
     (torch_exercises.check_two_bit, right_two_bit,
-     [(gradient_only_two_bit, "two-bit-values"), (forgetful_two_bit, "two-bit-residual")]),
+     [(gradient_only_two_bit, "two-bit-values"), (forgetful_two_bit, "two-bit-residual"),
+      (strict_two_bit, "two-bit-ties")]),
     (torch_exercises.check_accumulation, right_accumulation,
      [(unscaled_accumulation, "accumulation-scale"),
-      (zeroing_accumulation, "accumulation-overwrite")]),
+      (zeroing_accumulation, "accumulation-overwrite"),
+      (whole_batch_accumulation, "accumulation-micro")]),
     (torch_exercises.check_shard, right_shard,
      [(unpadded_shard, "shard-size"), (front_padded_shard, "shard-padding"),
       (chunk_shard, "exception")]),
     (jax_exercises.check_allreduce, jax_scratch.allreduce,
      [(jax_allreduce_on_first, "jax-allreduce-device"),
-      (jax_partial_allreduce, "jax-allreduce-sum")]),
+      (jax_partial_allreduce, "jax-allreduce-sum"),
+      (jax_builtin_sum_allreduce, "jax-allreduce-mixed")]),
     (jax_exercises.check_ring_allreduce, jax_allreduce.ring_allreduce,
-     [(neighbour_ring, "ring-sum"), (open_ring, "ring-sum")]),
+     [(neighbour_ring, "ring-sum"), (open_ring, "ring-sum"), (psum_ring, "ring-collective"),
+      (whole_array_ring, "ring-bytes")]),
     (torch_exercises.check_replicate, right_replicate,
      [(to_replicate, "replicate-shared"), (clone_replicate, "replicate-leaf")]),
     (torch_exercises.check_dp_step, right_dp_step,
      [(summing_dp_step, "dp-step-scale"), (twice_averaging_dp_step, "dp-step-small"),
       (mean_of_means_dp_step, "dp-step-unequal"), (local_dp_step, "dp-step-diverged")]),
     (torch_exercises.check_atomic_save, right_save,
-     [(direct_save, "atomic-save-torn"), (leaky_save, "atomic-save-leftover")]),
+     [(direct_save, "atomic-save-torn"), (leaky_save, "atomic-save-leftover"),
+      (buffered_save, "atomic-save-in-place"),
+      (unprotected_temporary_save, "atomic-save-leftover")]),
     (exercises.check_pad_batch, pad_batch,
      [(tail_padding, "pad-rows"), (boolean_mask, "pad-mask"), (nan_padding, "pad-zeros")]),
     (jax_exercises.check_shard_map_grads, right_grads,
@@ -338,7 +412,7 @@ CHECKS = [
       (local_grads, "grads-varying")]),
     (jax_exercises.check_scan_accumulation, jax_step.accumulated_grads,
      [(unscaled_scan, "scan-scale"), (replacing_scan, "scan-last"),
-      (python_loop, "scan-unrolled")]),
+      (python_loop, "scan-unrolled"), (stacking_scan, "scan-stacked")]),
 ]
 IDS = [check.__module__.split(".")[-2] + "." + check.__name__ for check, _, _ in CHECKS]
 

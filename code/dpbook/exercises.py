@@ -25,7 +25,7 @@ LANGUAGES = ("en", "zh")
 
 
 def language() -> str:
-    """``$DPBOOK_LANG`` if it is one of :data:`LANGUAGES`; else ``'zh'`` in a notebook of the
+    """``$DPBOOK_LANG`` if it is one of ``LANGUAGES``; else ``'zh'`` in a notebook of the
     Chinese edition opened in Jupyter (its path, ``$JPY_SESSION_NAME``, contains ``/zh/``);
     else ``'en'``."""
     lang = os.environ.get("DPBOOK_LANG", "").strip().lower()
@@ -108,7 +108,7 @@ def check_split_sizes(fn: Callable[..., list[int]], quiet: bool = False) -> Fail
             if n >= k:                      # every device gets at least one example
                 cases.append((f"n={n}, k={k}", (n, k, None)))
     for n, weights in ((10, [1, 1]), (10, [3, 1]), (7, [1, 2, 4]), (100, [0.5, 0.3, 0.2]),
-                       (1000, [2, 1, 1, 1])):
+                       (1000, [2, 1, 1, 1]), (5, [10, 1, 1])):
         cases.append((f"n={n}, weights={weights}", (n, len(weights), weights)))
     cases.sort(key=lambda c: (c[1][0], c[1][1]))
 

@@ -41,7 +41,12 @@ def check_allreduce(fn: Callable[[list[jax.Array]], Sequence[jax.Array]], quiet:
         rng = np.random.default_rng(k)
         host = [rng.integers(-9, 10, shape).astype(dtype) for _ in range(k)]
         data = [jax.device_put(a, d) for a, d in zip(host, devices[:k])]
-        results = list(fn(data))
+        try:
+            results = list(fn(data))
+        except ValueError as e:                  # sum(data): arrays on several devices
+            if "incompatible devices" not in str(e):
+                raise
+            return Failure("jax-allreduce-mixed", f"{type(e).__name__}: {str(e)[:160]}")
         total = sum(host)
         if len(results) != k:
             return Failure("jax-allreduce-count", f"{len(results)} results for {k} devices")
@@ -58,38 +63,52 @@ def check_allreduce(fn: Callable[[list[jax.Array]], Sequence[jax.Array]], quiet:
 
 def check_ring_allreduce(fn: Callable[[jax.Array, str], jax.Array], quiet: bool = False
                          ) -> Failure | None:
-    """Check ``fn(x, axis_name)``, called inside ``jax.shard_map`` on each device's array,
-    against ``lax.psum``: 1 to 8 devices (as many as there are), sizes that divide by the
-    device count and sizes that do not."""
+    """Check ``fn(x, axis_name)``, called inside ``jax.shard_map`` on each device's array:
+    every device must end with the sum over the devices (compared with a sum on the
+    host), computed by a ring. 1 to 8 devices (as many as there are), sizes that divide
+    by the device count and sizes that do not. The compiled program is read too
+    (:func:`dpbook.jax.hlo.collectives`): it may hold no collective but
+    ``collective-permute`` (no ``lax.psum``, ``all_gather``…), and, on 3 or more devices
+    with a size that divides, each device may send at most 2 (N - 1) / N of its array
+    (a ring's bandwidth; passing the whole array around N - 1 times sends N - 1 times
+    it)."""
+    from .hlo import parse_collectives, type_bytes
     devices = _check_devices()
     cases = [(f"{k} device(s), {size} value(s) per device", (k, size))
-             for k in (1, 2, 3, 4, 8) if k <= len(devices) for size in (1, 5, 8)]
+             for k in (1, 2, 3, 4, 8) if k <= len(devices) for size in (1, 5, 24)]
 
     def run_case(case):
         k, size = case
         mesh = make_mesh(devices[:k])
-        x = jnp.asarray(np.random.default_rng(size).integers(-9, 10, (k, size)),
-                        jnp.float32)                 # small integers: exact float sums
-        x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(AXIS)))
-
-        def body(rows):                            # rows: (1, size), this device's
-            out = fn(rows[0], AXIS)
-            return out[None], jax.lax.psum(rows[0], AXIS)[None]
-
+        host = np.random.default_rng(size).integers(-9, 10, (k, size)).astype(np.float32)
+        expected = np.broadcast_to(host.sum(axis=0), host.shape)   # small integers: exact
+        x = jax.device_put(jnp.asarray(host), jax.sharding.NamedSharding(mesh, P(AXIS)))
+        ring = jax.jit(jax.shard_map(lambda rows: fn(rows[0], AXIS)[None], mesh=mesh,
+                                     in_specs=P(AXIS), out_specs=P(AXIS)))
         try:
-            out, expected = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS),
-                                                  out_specs=(P(AXIS), P(AXIS))))(x)
+            compiled = ring.lower(x).compile()
         except ValueError as e:
             if "perm" in str(e) or "permut" in str(e):
                 return Failure("ring-permute", f"{type(e).__name__}: {str(e)[:120]}")
             raise
+        out = compiled(x)
         if out.shape != expected.shape or out.dtype != expected.dtype:
             return Failure("ring-shape", f"{out.shape} {out.dtype} instead of "
                            f"{expected.shape} {expected.dtype}")
-        if not np.array_equal(np.asarray(out), np.asarray(expected)):
-            row = int(np.argmax(np.any(np.asarray(out) != np.asarray(expected), axis=1)))
+        if not np.array_equal(np.asarray(out), expected):
+            row = int(np.argmax(np.any(np.asarray(out) != expected, axis=1)))
             return Failure("ring-sum", f"device {row} holds {np.asarray(out)[row].tolist()}, "
-                           f"the sum is {np.asarray(expected)[row].tolist()}")
+                           f"the sum is {expected[row].tolist()}")
+        ops = parse_collectives(compiled.as_text())
+        others = sorted({kind for kind, _ in ops if kind != "collective-permute"})
+        if others:
+            return Failure("ring-collective", f"the compiled program holds {others}")
+        if k >= 3 and size % k == 0:
+            sent = sum(type_bytes(t) for kind, t in ops) // 4
+            want = 2 * (k - 1) * size // k
+            if sent > want:
+                return Failure("ring-bytes", f"each device sends {sent} values of {size}; "
+                               f"a ring sends {want}")
         return None
 
     return run_check("ring_allreduce", cases, run_case, quiet)
@@ -163,12 +182,37 @@ def _linear_apply(variables, X):
     return X @ variables["params"]["w"] + variables["params"]["b"]
 
 
+def _stacked_gradients(closed, shapes: set[tuple[int, ...]]) -> list[str]:
+    """The stacked outputs (``ys``) of every ``scan`` in a traced program, nested ones
+    included, that hold one gradient-shaped array per iteration: an output of shape
+    ``(length, *s)`` for a parameter shape ``s`` — k gradient copies in memory."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                length, carry = eqn.params["length"], eqn.params["num_carry"]
+                for var in eqn.outvars[carry:]:
+                    shape = tuple(var.aval.shape)
+                    if shape[:1] == (length,) and shape[1:] in shapes:
+                        found.append(f"{var.aval.dtype}{list(shape)}")
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)       # a ClosedJaxpr or a Jaxpr
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return found
+
+
 def check_scan_accumulation(fn: Callable, quiet: bool = False) -> Failure | None:
     """Check ``fn(params, apply_fn, X, y, micro_batches) -> (loss, grads)``, the contract
     of :func:`dpbook.jax.step.accumulated_grads`: the mean cross-entropy of
     ``apply_fn({'params': params}, X)`` over the whole batch and its gradient, computed
     ``micro_batches`` equal parts at a time with ``lax.scan`` (the traced program must
-    hold one copy of the micro-step, not k)."""
+    hold one copy of the micro-step, not k, and the scan must add the gradients up in its
+    carry, not return one per micro-batch: that keeps k gradients in memory)."""
     cases = [(f"{n} examples in {k} micro-batch(es)", (n, k))
              for k in (1, 2, 4, 8) for n in (8, 24) if n % k == 0]
 
@@ -193,11 +237,16 @@ def check_scan_accumulation(fn: Callable, quiet: bool = False) -> Failure | None
         if not np.allclose(loss, want_loss, atol=1e-5):
             return Failure("scan-loss", f"loss {float(loss):.4g}, expected {float(want_loss):.4g}")
         if k > 1:
-            jaxpr = str(jax.make_jaxpr(lambda p, X, y: fn(p, _linear_apply, X, y, k))(
-                params, X, y))
-            if "scan[" not in jaxpr and "while[" not in jaxpr:
+            traced = jax.make_jaxpr(lambda p, X, y: fn(p, _linear_apply, X, y, k))(
+                params, X, y)
+            if "scan[" not in str(traced) and "while[" not in str(traced):
                 return Failure("scan-unrolled", "no lax.scan (nor any other loop) in the "
                                "traced program")
+            stacked = _stacked_gradients(
+                traced, {tuple(leaf.shape) for leaf in jax.tree.leaves(params)})
+            if stacked:
+                return Failure("scan-stacked", f"the scan's outputs {stacked}: one gradient "
+                               f"per micro-batch, {k} in all")
         return None
 
     return run_check("scan_accumulation", cases, run_case, quiet)

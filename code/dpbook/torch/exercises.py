@@ -99,7 +99,9 @@ def check_accumulation(fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor
     """Check ``fn(model, X, y, micro_batches)``: starting from gradients set to ``None``,
     it runs the cross-entropy loss of ``model`` on ``micro_batches`` equal parts of
     ``(X, y)`` and leaves in ``.grad`` the gradient of the mean loss over the whole batch,
-    without changing the parameters."""
+    without changing the parameters. A forward pre-hook on ``model`` records the batch
+    of every forward pass: none may be larger than a micro-batch (the memory
+    accumulation saves)."""
     cases = [(f"{n} examples in {k} micro-batch(es)", (n, k))
              for k in (1, 2, 4) for n in (4, 8, 12) if n % k == 0]
 
@@ -111,9 +113,17 @@ def check_accumulation(fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor
         torch.nn.functional.cross_entropy(reference(X), y).backward()
         model = _accumulation_model()
         before = [p.detach().clone() for p in model.parameters()]
-        fn(model, X, y, k)
+        rows: list[int] = []                 # the batch size of every forward pass
+        hook = model.register_forward_pre_hook(lambda m, args: rows.append(len(args[0])))
+        try:
+            fn(model, X, y, k)
+        finally:
+            hook.remove()
         if any(not torch.equal(p, b) for p, b in zip(model.parameters(), before)):
             return Failure("accumulation-step", "a parameter changed")
+        if rows and max(rows) > n // k:
+            return Failure("accumulation-micro", f"forward passes on {rows} examples; "
+                           f"a micro-batch has {n // k}")
         grads = [p.grad for p in model.parameters()]
         want = [p.grad for p in reference.parameters()]
         if any(gr is None for gr in grads):
@@ -162,9 +172,10 @@ def check_shard(fn: Callable[[torch.Tensor, int, int], torch.Tensor], quiet: boo
 def check_buckets(fn: Callable[[Sequence[int], int], list[list[int]]], quiet: bool = False
                   ) -> Failure | None:
     """Check ``fn(sizes, cap) -> buckets``: ``sizes[i]`` is the bytes of parameter ``i`` in
-    the order of ``model.parameters()``; each bucket lists parameter indices, filled in
-    reverse order (the order backward produces the gradients) up to ``cap`` bytes, like
-    :func:`dpbook.torch.ddp_by_hand.make_buckets`."""
+    the order of ``model.parameters()``; each bucket lists parameter indices. DDP's rule,
+    as in :func:`dpbook.torch.ddp_by_hand.make_buckets` (one dtype): take the parameters
+    in reverse order (the order backward produces the gradients), add each to the open
+    bucket, and close the bucket once it holds ``cap`` bytes or more."""
     cases = [(f"sizes {sizes}, cap {cap}", (sizes, cap)) for sizes, cap in (
         ([4], 10), ([4, 4], 10), ([4, 4, 4], 10), ([8, 4], 10), ([20], 10), ([4, 20, 4], 10),
         ([1, 2, 3, 4, 5], 6), ([3, 3, 3, 3], 6), ([6, 1, 6], 6), ([5, 5, 5, 5, 5], 100))]
@@ -172,11 +183,11 @@ def check_buckets(fn: Callable[[Sequence[int], int], list[list[int]]], quiet: bo
     def expected(sizes, cap):
         buckets, current, size = [], [], 0
         for i in reversed(range(len(sizes))):
-            if current and size + sizes[i] > cap:
-                buckets.append(current)
-                current, size = [], 0
             current.append(i)
             size += sizes[i]
+            if size >= cap:                    # reached the cap: close the bucket
+                buckets.append(current)
+                current, size = [], 0
         return buckets + [current] if current else buckets
 
     def run_case(case):
@@ -186,7 +197,7 @@ def check_buckets(fn: Callable[[Sequence[int], int], list[list[int]]], quiet: bo
         if flat != list(reversed(range(len(sizes)))):
             return Failure("buckets-order", f"buckets {got}")
         if got != expected(sizes, cap):
-            return Failure("buckets-cap", f"buckets {got}")
+            return Failure("buckets-cap", f"buckets {got}, expected {expected(sizes, cap)}")
         return None
 
     return run_check("buckets", cases, run_case, quiet)
@@ -198,24 +209,30 @@ def check_two_bit(fn: Callable[[torch.Tensor, torch.Tensor, float],
     """Check ``fn(grad, residual, t) -> (quantized, new_residual)``: ``v = grad +
     residual`` becomes ``+t`` where ``v >= t``, ``-t`` where ``v <= -t``, else 0, and the
     new residual is ``v`` minus that. Several steps in a row, so a residual that is lost or
-    not added back shows."""
+    not added back shows; and a case where ``v`` lands exactly on ``±t`` (``>=``, not
+    ``>``)."""
     cases = [(f"{n} entries, threshold {t}, {steps} step(s)", (n, t, steps))
              for n, t, steps in ((1, 0.5, 1), (4, 0.5, 1), (4, 0.5, 3), (10, 0.25, 5),
                                  (100, 1.0, 10))]
+    cases.insert(3, ("5 entries equal to 0, ±t/2 or ±t, threshold 0.5, 2 steps",
+                     (5, 0.5, 2)))
+    ties = torch.tensor([0.5, -0.5, 0.25, -0.25, 0.0])   # exact in binary: v hits ±t
 
     def run_case(case):
         n, t, steps = case
         g = torch.Generator().manual_seed(n)
         residual, want_residual = torch.zeros(n), torch.zeros(n)
         for step in range(steps):
-            grad = torch.randn(n, generator=g) * 0.6
+            grad = ties.clone() if n == 5 else torch.randn(n, generator=g) * 0.6
             q, residual = fn(grad.clone(), residual.clone(), t)
             v = grad + want_residual
             want = t * ((v >= t).float() - (v <= -t).float())
             want_residual = v - want
             if not torch.allclose(q, want):
-                return Failure("two-bit-values", f"step {step + 1}: {q[:4].tolist()}, "
-                               f"expected {want[:4].tolist()}")
+                seen = f"step {step + 1}: {q[:4].tolist()}, expected {want[:4].tolist()}"
+                if torch.allclose(q, t * ((v > t).float() - (v < -t).float())):
+                    return Failure("two-bit-ties", seen)         # > where >= is meant
+                return Failure("two-bit-values", seen)
             if not torch.allclose(residual, want_residual, atol=1e-6):
                 return Failure("two-bit-residual", f"step {step + 1}: residual "
                                f"{residual[:4].tolist()}, expected {want_residual[:4].tolist()}")
@@ -330,16 +347,78 @@ class _Crash:
         raise RuntimeError("simulated crash while writing the checkpoint")
 
 
+class _KilledFile:
+    """A file opened for writing whose writes stop after ``budget`` bytes with an error:
+    the stand-in for a process killed while the bytes go to disk."""
+
+    def __init__(self, file, budget: int):
+        self._file, self._budget = file, budget
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        if len(data) > self._budget:
+            self._file.write(data[:self._budget])
+            self._file.flush()
+            self._budget = 0
+            raise RuntimeError("simulated crash while writing the checkpoint")
+        self._budget -= len(data)
+        return self._file.write(data)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
+@contextlib.contextmanager
+def _killed_while_writing(folder: str, budget: int = 4096) -> Iterator[None]:
+    """While active, every file under ``folder`` that Python's ``open`` (``builtins.open``,
+    ``io.open``: what ``pathlib`` uses too) opens for writing takes ``budget`` bytes and
+    then fails. Writes from C++ (``torch.save`` given a file name) are not cut: such a
+    save completes, which the check accepts."""
+    import builtins
+    import io
+    import os
+    real = builtins.open
+    folder = os.path.realpath(folder)
+
+    def open_(file, mode="r", *args, **kwargs):
+        f = real(file, mode, *args, **kwargs)
+        inside = (isinstance(file, (str, bytes, os.PathLike))
+                  and os.path.realpath(os.fsdecode(file)).startswith(folder + os.sep))
+        if inside and any(c in mode for c in "wax+"):
+            return _KilledFile(f, budget)
+        return f
+
+    builtins.open = io.open = open_
+    try:
+        yield
+    finally:
+        builtins.open = io.open = real
+
+
 def check_atomic_save(fn: Callable[[dict, str], object], quiet: bool = False
                       ) -> Failure | None:
     """Check ``fn(state, path)``, which saves the checkpoint ``state`` (a dict) to ``path``:
-    ``torch.load(path)`` gives it back; and when the write fails halfway — the state holds
-    an object that cannot be pickled, the stand-in for a process killed while saving —
-    ``path`` still holds the previous complete checkpoint and no temporary file is left."""
+    ``torch.load(path)`` gives it back; when the save fails halfway, ``path`` still holds
+    a complete checkpoint and no temporary file is left; and ``path`` is never rewritten
+    in place. Two kinds of failure: the state holds an object that cannot be pickled (the
+    save fails while serializing: ``path`` must hold the previous checkpoint), or the
+    process is "killed" while the bytes go to a file (every file the save opens with
+    Python's ``open`` fails after 4 KB: ``path`` must hold the previous checkpoint or the
+    new one). In place: a save onto an existing ``path`` must give ``path`` a new file
+    (inode), the one written beside it and renamed; a file written over, even from bytes
+    serialized in memory first, keeps its inode, and a kill during that write tears it."""
     import os
     import tempfile
-    cases = [("one save", 1), ("a save, then one that crashes halfway", 2),
-             ("three saves, the last crashes halfway", 3)]
+    cases = [("one save", ("ok",)), ("a save, then one that crashes halfway", ("ok", "crash")),
+             ("two saves", ("ok", "ok")),
+             ("a save, then one killed while it writes", ("ok", "kill")),
+             ("three saves, the last crashes halfway", ("ok", "ok", "crash"))]
 
     def state(i, crash=False):
         s = {"epoch": i, "weights": torch.full((256, 256), float(i))}
@@ -347,28 +426,39 @@ def check_atomic_save(fn: Callable[[dict, str], object], quiet: bool = False
             s["bad"] = _Crash()
         return s
 
+    def describe(loaded):
+        return loaded if isinstance(loaded, str) else f"epoch {loaded.get('epoch')}"
+
     def run_case(saves):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "checkpoint.pt")
-            for i in range(1, saves + 1):
-                crash = saves > 1 and i == saves
+            for i, kind in enumerate(saves, start=1):
+                inode = os.stat(path).st_ino if os.path.exists(path) else None
                 try:
-                    fn(state(i, crash), path)
+                    if kind == "kill":
+                        with _killed_while_writing(folder):
+                            fn(state(i), path)
+                    else:
+                        fn(state(i, kind == "crash"), path)
                 except Exception:  # noqa: BLE001 - the crash may propagate: that is fine
-                    if not crash:
+                    if kind == "ok":
                         raise
-                last = i - 1 if crash else i
+                allowed = {"ok": (i,), "crash": (i - 1,), "kill": (i - 1, i)}[kind]
                 try:
                     loaded = torch.load(path, weights_only=True)
-                    intact = (loaded.get("epoch") == last
-                              and torch.equal(loaded.get("weights"), state(last)["weights"]))
+                    intact = (loaded.get("epoch") in allowed and torch.equal(
+                        loaded.get("weights"), state(loaded.get("epoch"))["weights"]))
                 except Exception as e:  # noqa: BLE001 - a torn file fails to load
                     intact, loaded = False, f"{type(e).__name__}"
                 if not intact:
-                    return Failure("atomic-save-torn" if crash else "atomic-save-load",
+                    failed = kind != "ok"                    # the save crashed or was killed
+                    return Failure("atomic-save-torn" if failed else "atomic-save-load",
                                    f"after save {i}: torch.load(path) gives "
-                                   f"{loaded if isinstance(loaded, str) else 'epoch ' + str(loaded.get('epoch'))}"
-                                   f", expected epoch {last}")
+                                   f"{describe(loaded)}, expected epoch "
+                                   f"{' or '.join(map(str, allowed))}")
+                if kind == "ok" and inode and os.stat(path).st_ino == inode:
+                    return Failure("atomic-save-in-place", f"save {i} wrote over the file "
+                                   "at path (same inode) instead of replacing it")
             left = sorted(set(os.listdir(folder)) - {"checkpoint.pt"})
             if left:
                 return Failure("atomic-save-leftover", f"files left: {left}")
