@@ -33,6 +33,8 @@ ALLOWED = {
     ("concise/jax", "0.8"): "JAX 0.8.0's changelog: pmap reimplemented on jit + shard_map",
     ("concise/jax", "0.10"): "the JAX release requirements.txt pins",
     ("concise/pytorch", "13.6"): "d2l-en release 1.0.3, section 13.6 (PyTorch)",
+    ("inside-ddp/pytorch", "2.13"): "the torch release requirements.txt pins, whose "
+                                    "reducer.cpp the list of what (d) leaves out describes",
     ("concise/pytorch", "0.73"): "d2l-en 1.0.3's executed notebook of section 13.6, 2 GPUs",
     ("concise/pytorch", "0.91"): "d2l-en 1.0.3's executed notebook of section 13.6, 1 GPU",
     ("multi-machine/pytorch", "25.6"): "ResNet-50's parameters (millions), torchvision",
