@@ -1,16 +1,24 @@
 """FSDP in JAX by sharding (dpbook.jax.fsdp): equal to replicated data parallelism on 2, 3,
 4 and 8 emulated devices (3 divides none of the model's large dimensions: all replicated);
-each device holds about 1/N of the state; XLA gathers the parameters."""
+each device holds about 1/N of the state; XLA gathers the parameters. Inside the step the
+sharded program is not ZeRO-3: more temporaries than the replicated one, whole gradients
+and gathered parameters kept into the backward pass; with each layer rematerialized
+(fsdp.RematLeNet) the backward pass gathers again, but on the CPU backend XLA schedules
+both gathers at the start, so the whole parameters alive at once do not shrink."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dpbook.jax import fsdp, hlo
 from dpbook.jax.data import random_batch
-from dpbook.jax.state import AXIS, max_abs_difference
+from dpbook.jax.models import LeNet
+from dpbook.jax.state import AXIS, TrainState, max_abs_difference
 
 
 class MLP(nn.Module):
@@ -29,7 +37,7 @@ def test_fsdp_spec():
     assert fsdp.fsdp_spec((784, 64), 3) == P()
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("n", [2, 3, 8])     # 4: test_in_step_memory_and_remat
 def test_sharded_equals_replicated(n):
     mesh = fsdp.make_auto_mesh(jax.devices()[:n])
     state = fsdp.create_adam_state(MLP(), jax.random.key(0))
@@ -54,3 +62,53 @@ def test_sharded_equals_replicated(n):
         assert held[0] < full[0] / n * 1.05         # the 10 biases of the output stay whole
         assert "all-gather" in kinds
         assert s_sharded.params["Dense_0"]["kernel"].sharding.spec == P(AXIS, None)
+
+
+def test_in_step_memory_and_remat():
+    """LeNet + Adam on 4 devices, with and without rematerialization: the state is 1/4
+    between steps, the temporaries are above the replicated step's; remat gathers the
+    rematerialized layers' parameters again; every program makes the same update."""
+    mesh = fsdp.make_auto_mesh(jax.devices()[:4])
+    # random parameters of LeNet's shapes: fsdp.create_adam_state's jitted init costs
+    # seconds to compile on a busy CPU
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.normal(0, 0.1, s.shape).astype(np.float32),
+                          jax.eval_shape(LeNet().init, jax.random.key(0),
+                                         jnp.ones((1, 28, 28, 1)))["params"])
+    state = TrainState.create(apply_fn=LeNet().apply, params=params, tx=optax.adam(1e-3))
+    state = state.replace(step=jnp.asarray(state.step))
+    remat = state.replace(apply_fn=fsdp.RematLeNet().apply)
+    shapes = [a.shape for a in jax.tree.leaves(state.params)]
+    X, y = (jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in random_batch(32))
+    memory, whole, new = {}, {}, {}
+    for name, s, sharded in (("replicated", state, False), ("sharded", state, True),
+                             ("remat", remat, True)):
+        placed = jax.device_put(s, fsdp.state_shardings(s, mesh, sharded))
+        compiled = fsdp.make_step(mesh, s, sharded).lower(placed, X, y).compile()
+        memory[name] = compiled.memory_analysis().temp_size_in_bytes, sum(
+            a.nbytes // len(a.sharding.device_set) if a.sharding.spec != P() else a.nbytes
+            for a in jax.tree.leaves(placed))          # temporaries, state per device
+        whole[name] = fsdp.parse_gathered_params(compiled.as_text(), shapes)
+        new[name] = compiled(placed, X, y)[0]
+    assert memory["sharded"][1] < memory["replicated"][1] / 3
+    # inside the step: more temporaries than replicated (whole gradients and parameters)
+    assert memory["sharded"][0] > memory["replicated"][0]
+    assert whole["replicated"] == []
+    assert any(w.phase == "backward" for w in whole["sharded"])   # kept into backward
+    gathers = {name: [w.shape for w in rows if w.opcode == "all-gather"]
+               for name, rows in whole.items()}
+    assert len(gathers["remat"]) > len(gathers["sharded"])
+    for shape in ((3, 3, 1, 20), (800, 128), (128,)):   # rematerialized: gathered again
+        assert gathers["remat"].count(shape) == gathers["sharded"].count(shape) + 1, shape
+    assert gathers["remat"].count((128, 10)) == gathers["sharded"].count((128, 10)) == 1
+    # XLA's CPU scheduler gathers both copies at the start: remat does not lower the peak
+    # of whole parameters alive at once (its temporaries: lower with jax 0.10.2, not 0.8.2)
+    peak = {name: max((sum(v.nbytes for v in rows if v.first <= w.first <= v.last)
+                       for w in rows), default=0) for name, rows in whole.items()}
+    assert peak["remat"] >= peak["sharded"] > 0
+    for name in ("sharded", "remat"):                    # float32 rounding only
+        # after one step Adam's first moment is (1 - 0.9) * the gradient
+        grads = [jax.tree.map(lambda m: m / 0.1, new[k].opt_state[0].mu)
+                 for k in (name, "replicated")]
+        assert max_abs_difference(*grads) < 1e-5
+        assert max_abs_difference(new[name].params, new["replicated"].params) < 1e-5

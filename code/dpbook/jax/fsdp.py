@@ -9,21 +9,34 @@ with none stays replicated, like small biases), and the step is the same functio
 with those shardings in and out. XLA's partitioner then gathers each parameter where the
 computation needs it whole and hands each device only its slice of the new state. The
 mesh's axis is *Auto* (the partitioner chooses), not Explicit as in :func:`dpbook.jax.state.make_mesh`.
+
+That gives ZeRO-3's *storage*: between steps each device holds about 1/N of the state. It
+does not give ZeRO-3's *schedule* inside the step (gather a layer's parameters, use them,
+free them, gather them again for the backward pass): XLA may keep a gathered parameter
+alive from the forward into the backward pass, and it places the all-gathers where its
+scheduler likes. :class:`RematLeNet` puts each hidden layer under ``nn.remat`` (Flax's
+``jax.checkpoint``), so that the backward pass recomputes the layer and gathers its
+parameters again; :func:`gathered_params` reads from the compiled program which whole
+parameters exist and for how long.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import math
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from . import hlo
 from .state import AXIS, TrainState, loss_fn
 
 __all__ = ["make_auto_mesh", "fsdp_spec", "state_shardings", "create_adam_state",
-           "train_step", "make_step", "bytes_per_device"]
+           "train_step", "make_step", "bytes_per_device", "RematLeNet", "Whole",
+           "gathered_params", "parse_gathered_params"]
 
 
 def make_auto_mesh(devices: Sequence[jax.Device]) -> Mesh:
@@ -86,3 +99,76 @@ def bytes_per_device(tree) -> dict[int, int]:
         for shard in a.addressable_shards:
             out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
     return out
+
+
+class RematLeNet(nn.Module):
+    """:class:`dpbook.jax.models.LeNet` with each hidden layer (convolution or dense, its
+    ReLU and pooling) under ``nn.remat``, Flax's ``jax.checkpoint``: JAX keeps only each
+    layer's input for the backward pass, which computes the layer again (where XLA then
+    schedules that work is its own choice). The parameters have LeNet's names and shapes,
+    so one state runs either model."""
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x):                                   # (B, 28, 28, 1)
+        def conv(layer, x):                                  # convolution, ReLU, pooling
+            return nn.avg_pool(nn.relu(layer(x)), (2, 2), strides=(2, 2))
+
+        def dense(layer, x):
+            return nn.relu(layer(x))
+
+        conv, dense = nn.remat(conv), nn.remat(dense)       # recomputed in backward
+        x = conv(nn.Conv(20, (3, 3), padding="VALID"), x)    # (B, 13, 13, 20)
+        x = conv(nn.Conv(50, (5, 5), padding="VALID"), x)    # (B, 4, 4, 50)
+        x = dense(nn.Dense(128), x.reshape((x.shape[0], -1)))
+        return nn.Dense(self.num_classes)(x)                 # the last layer: no ReLU
+
+
+class Whole(NamedTuple):
+    """A whole parameter inside a compiled step (see :func:`gathered_params`)."""
+    shape: tuple
+    opcode: str          # 'all-gather', or the instruction that copied one
+    first: int           # its position in the schedule
+    last: int            # the position of its last reader
+    nbytes: int
+    phase: str           # the phase of its last reader: 'forward', 'backward', ...
+
+
+def gathered_params(jitted: Callable, shapes, *args) -> list[Whole]:
+    """The whole parameters inside the program compiled for ``jitted(*args)``, in the
+    order of XLA's schedule of the entry computation.
+
+    A whole parameter is the result of an ``all-gather`` whose shape is in ``shapes``
+    (the parameters' shapes; the transpose of a matrix counts), or a copy of one (an
+    instruction with as many elements whose one operand is one, e.g. a change of layout).
+    It is alive from its position in the schedule to that of its last reader: the
+    entry computation's instructions, in order, which on the CPU backend is the
+    schedule (a GPU's command buffers, called computations, are not looked into).
+    """
+    return parse_gathered_params(hlo.compiled_text(jitted, *args), shapes)
+
+
+def parse_gathered_params(text: str, shapes) -> list[Whole]:
+    """:func:`gathered_params` for the text of a compiled HLO module."""
+    shapes = {tuple(s) for s in shapes} | {tuple(s)[::-1] for s in shapes}
+    computations, entry = hlo._module(text)
+    body = computations[entry]
+    alive: dict[str, list] = {}                   # name -> [result, opcode, first, last]
+    for k, i in enumerate(body):
+        result = hlo._clean(i.type)
+        whole = [o for o in i.operands if o in alive]
+        for o in whole:
+            alive[o][3] = k
+        if i.opcode == "all-gather" and _dims(result) in shapes or (
+                whole and len(i.operands) == 1 and not result.startswith("(")
+                and math.prod(_dims(result)) == math.prod(_dims(alive[whole[0]][0]))):
+            alive[i.name] = [result, i.opcode, k, k]
+    return [Whole(_dims(r), opcode, a, b, hlo.type_bytes(r),
+                  hlo._phase(body[b].opcode, body[b].op_name()))
+            for r, opcode, a, b in alive.values()]
+
+
+def _dims(result: str) -> tuple[int, ...]:
+    """``'f32[800,128]'`` -> ``(800, 128)``."""
+    inside = result[result.index("[") + 1:result.index("]")] if "[" in result else ""
+    return tuple(int(d) for d in inside.split(",") if d)
