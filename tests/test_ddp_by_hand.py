@@ -5,6 +5,7 @@ with the allreduce calls and bytes each one should make; the buckets follow DDP'
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 
 import pytest
@@ -74,10 +75,20 @@ def test_buckets_equal_torchs_own_assignment():
         # torch's rule on the parameters in reverse order (indices into that order)
         theirs, _ = dist._compute_bucket_assignment_by_size(params[::-1], [cap])
         assert _indices(params[::-1], params, cap) == theirs, (sizes, cap)
-    mixed = [nn.Parameter(torch.zeros(n, dtype=d)) for n, d in
-             [(3, torch.float32), (1, torch.float64), (2, torch.float32), (4, torch.float64)]]
-    theirs, _ = dist._compute_bucket_assignment_by_size(mixed[::-1], [16])
-    assert sorted(_indices(mixed[::-1], mixed, 16)) == sorted(theirs)   # one dtype each
+    for dtypes in ([torch.float32, torch.float64, torch.float32, torch.float64],
+                   [torch.float64, torch.float32, torch.float32, torch.float32,
+                    torch.float32]):      # buckets ordered by their first parameter
+        mixed = [nn.Parameter(torch.zeros(n, dtype=d)) for n, d in zip([3, 1, 2, 4, 4],
+                                                                       dtypes)]
+        theirs, _ = dist._compute_bucket_assignment_by_size(mixed[::-1], [16])
+        assert _indices(mixed[::-1], mixed, 16) == theirs, dtypes
+
+
+def test_unknown_wrapper_is_refused():
+    with pytest.raises(ValueError, match="unknown wrapper"):
+        ddp_by_hand.wrap("hogwild", nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown wrapper"):
+        ddp_by_hand.compare(2, ["ddp"])
 
 
 @pytest.fixture
@@ -98,9 +109,13 @@ class _Mixed(nn.Module):                  # a float64 layer, then a float32 one
         return self.b(torch.tanh(self.a(x)).float())
 
 
-def _two_micro_batches(model, X, sync=None):
+def _two_micro_batches(model, X, sync=None, backward_inside=True):
     with model.no_sync() if sync else contextlib.nullcontext():
-        model(X[:3]).square().sum().backward()
+        loss = model(X[:3]).square().sum()
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:     # DDP's rule: the forward inside no_sync() decides
+        loss.backward()
     model(X[3:]).square().sum().backward()
     if sync:
         sync()
@@ -110,9 +125,9 @@ def test_mixed_dtypes_no_sync_and_a_second_backward(one_process_group):
     X = torch.randn(6, 8, dtype=torch.float64)
     plain = _Mixed()
     _two_micro_batches(plain, X)
-    for name in NAMES:
+    for name, backward_inside in itertools.product(NAMES, (True, False)):
         model = ddp_by_hand.wrap(name, _Mixed(), bucket_cap_mb=25)   # one cap, two dtypes
-        _two_micro_batches(model, X, model.finish_gradient_synchronization)
+        _two_micro_batches(model, X, model.finish_gradient_synchronization, backward_inside)
         for p, q in zip(model.module.parameters(), plain.parameters()):
             assert p.grad.dtype == p.dtype and torch.equal(p.grad, q.grad), name  # no cast
         if name in ("overlap", "bucketed"):              # backward twice: refused

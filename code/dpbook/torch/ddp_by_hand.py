@@ -73,15 +73,18 @@ class DataParallel(nn.Module):
         self.calls = 0                         # allreduce calls so far
         self.bytes = 0                         # bytes handed to them
         self.require_backward_grad_sync = True     # False inside no_sync()
+        self._sync_backward = True             # decided in forward, as DDP does
         self._arrived: set[int] = set()        # parameters whose gradient is final
 
     def forward(self, *args, **kwargs):
+        self._sync_backward = self.require_backward_grad_sync
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside accumulate gradients locally and send nothing; the
-        next backward outside and ``finish_gradient_synchronization`` send the sum."""
+        """The backward pass of a forward run inside accumulates gradients locally and
+        sends nothing (as with DDP, the forward decides); the next forward and backward
+        outside, and ``finish_gradient_synchronization``, send the sum."""
         self.require_backward_grad_sync = False
         try:
             yield
@@ -95,11 +98,11 @@ class DataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
     def _on_gradient(self, p: nn.Parameter) -> None:
-        if not self.require_backward_grad_sync:
-            return                             # inside no_sync(): keep accumulating
+        if not self._sync_backward:
+            return                             # forward ran in no_sync(): accumulate
         if id(p) in self._arrived:
-            raise RuntimeError("a second backward() before the synchronization: run "
-                               "the earlier micro-batches inside model.no_sync()")
+            raise RuntimeError("a second backward() before the synchronization: run the "
+                               "earlier micro-batches' forward inside model.no_sync()")
         self._arrived.add(id(p))
         self._ready(p)
 
@@ -174,8 +177,8 @@ def make_buckets(params: Sequence[nn.Parameter], bucket_cap_mb: float
     """DDP's rule: take ``params`` in *reverse* order (the order backward produces their
     gradients), add each to the open bucket of its dtype and device, and close that
     bucket once it holds ``bucket_cap_mb`` megabytes (2**20 bytes) or more, so a bucket
-    can end larger than the cap. Returns the buckets in the order they closed, then the
-    ones still open."""
+    can end larger than the cap. Returns the buckets in the order of their first
+    parameter, as torch sorts them (with one dtype: the order they closed)."""
     cap = bucket_cap_mb * 2**20
     buckets, open_ = [], {}                    # (dtype, device) → [parameters, bytes]
     for p in reversed(list(params)):
@@ -185,7 +188,9 @@ def make_buckets(params: Sequence[nn.Parameter], bucket_cap_mb: float
         bucket[1] += p.numel() * p.element_size()
         if bucket[1] >= cap:                   # reached the cap: close it
             buckets.append(open_.pop(key)[0])
-    return buckets + [ps for ps, _ in open_.values()]
+    buckets += [ps for ps, _ in open_.values()]
+    position = {id(p): i for i, p in enumerate(reversed(list(params)))}
+    return sorted(buckets, key=lambda bucket: position[id(bucket[0])])
 
 
 class BucketedDataParallel(DataParallel):
