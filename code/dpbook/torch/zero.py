@@ -340,8 +340,13 @@ class ZeroModel(nn.Module):
             self._free(unit)
         # The reduce-scatters in the reverse of the parameters' order on every rank, on a
         # group of their own: the all-gathers of the backward pass need not wait for them.
+        # One collective on it now, on every rank: NCCL creates a group's communicator at
+        # its first collective, which must not be a reduce-scatter only some ranks start.
+        scatter_group = dist.new_group()
+        dist.all_reduce(torch.zeros(1, device=next(iter(self._shard)).device),
+                        group=scatter_group)
         self._in_order = _InOrder(list(self._shard)[::-1], self._shard, self.traffic,
-                                  self._add_grad, group=dist.new_group(),
+                                  self._add_grad, group=scatter_group,
                                   after=self._free_all)
         _refuse_full_parameters_once()
 
