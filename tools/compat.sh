@@ -22,9 +22,13 @@ print(" ".join(f"{p}=={v}.*" if p == "torch" else f"{p}=={v}" for p, v in pins.i
       f"jaxlib=={pins['jax']}")
 PY
 )"
-# the newest: the newest torch release the registry serves today
+# the newest: the newest torch release pip would install here today (the registry's
+# newest, unless pip's configuration caps it: see `pip config list`)
 newest_torch() {
-  python3 -m pip index versions torch 2>/dev/null | sed -n 's/^torch (\(.*\))$/\1/p'
+  python3 -m pip install --dry-run --ignore-installed --quiet --report - torch 2>/dev/null |
+    python3 -c 'import json, sys
+print(next(p["metadata"]["version"] for p in json.load(sys.stdin)["install"]
+           if p["metadata"]["name"] == "torch"))'
 }
 
 name="${1:?usage: tools/compat.sh oldest|newest}"
