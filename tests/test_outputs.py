@@ -127,3 +127,18 @@ def test_other_settings_versions_or_errors_make_the_run_stale(stored_run, monkey
     cell.outputs.append(nbformat.v4.new_output("error", ename="AssertionError", evalue="",
                                                traceback=[]))
     assert runs.errors(failed) == [f"cell {failed.cells.index(cell)}: AssertionError: "]
+
+
+def test_a_page_that_shows_an_edited_hint_is_stale(stored_run):
+    """Hints are data: editing one re-runs only the pages whose outputs show it."""
+    from dpbook.exercises import HINTS
+    entry, nb = stored_run
+    cell = next(c for c in nb.cells if c.cell_type == "code")
+    shown = copy.deepcopy(nb)
+    shown.cells[nb.cells.index(cell)].outputs.append(nbformat.v4.new_output(
+        "stream", name="stdout", text=f"  hint: {HINTS['exception']['en']}\n"))
+    assert runs.stale_reasons(shown, entry, "cpu") == []
+    shown.cells[nb.cells.index(cell)].outputs.append(nbformat.v4.new_output(
+        "stream", name="stdout", text="✗ check: the smallest failing case is n=1\n"
+                                      "  hint: a hint as it read before an edit\n"))
+    assert runs.stale_reasons(shown, entry, "cpu") == ["a hint it shows was edited in hints.yml"]

@@ -146,7 +146,22 @@ def stale_reasons(executed: nbformat.NotebookNode, entry: str, scale: str,
         now = framework_version(name)
         if release(now) != release(version):
             reasons.append(f"{name} was {version}, now {now}")
+    if edited_hints(executed):
+        reasons.append("a hint it shows was edited in hints.yml")
     return reasons
+
+
+def edited_hints(executed: nbformat.NotebookNode) -> list[str]:
+    """The hints a run printed (checked exercises, in English) that hints.yml no longer
+    has: hints are data, and editing one re-runs only the pages that show it, so that
+    their Chinese twins can say it in Chinese (tools/notebooks.translate_checks)."""
+    from dpbook.exercises import HINTS, MESSAGES
+    prefix = MESSAGES["hint"]["en"].split("{hint}")[0]
+    current = {h["en"] for h in HINTS.values()}
+    return [line[len(prefix):] for cell in executed.cells for out in cell.get("outputs", [])
+            if out.get("output_type") == "stream"
+            for line in out.get("text", "").splitlines()
+            if line.startswith(prefix) and line[len(prefix):] not in current]
 
 
 def errors(executed: nbformat.NotebookNode) -> list[str]:
