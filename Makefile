@@ -44,8 +44,8 @@ test-fast: $(STAMP)
 test-gpu: $(STAMP)
 	DPBOOK_SCALE=quick $(PY) -m pytest -q -rs tests/test_gpu.py
 
-# The notebooks under the oldest releases the book accepts and the newest the registry
-# serves, each in its own environment (tools/compat.sh; CI runs both).
+# The notebooks under the oldest releases the book accepts and the newest torch pip
+# installs, each in its own environment (tools/compat.sh; CI runs both).
 test-compat: $(STAMP)
 	bash tools/compat.sh oldest
 	bash tools/compat.sh newest
