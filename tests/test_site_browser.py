@@ -324,3 +324,24 @@ def test_timeline_zooms_and_names_its_blocks(server, page, lang):
     root.scroll_into_view_if_needed()
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     root.screenshot(path=str(SCREENSHOTS / f"{lang}-widget-timeline.png"))
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_the_table_of_contents_opens_on_a_phone(server, browser, lang):
+    """Below 992 px the theme hides the table of contents behind a button; at 390 px
+    (a phone) that button must open it. With pydata-sphinx-theme 0.17 and
+    sphinx-book-theme 1.3 it did nothing (their issues #2451 and #988): requirements.txt
+    pins a pair that works."""
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    _open(page, server, PAGES[f"{lang}-from-scratch-pytorch"][0])
+    link = page.locator(".bd-sidebar-primary nav.bd-docs-nav a.reference").last
+    assert not link.is_visible()               # hidden until asked for
+    page.locator(".primary-toggle:visible").first.click()
+    link.wait_for(state="visible", timeout=5000)
+    box = link.bounding_box()
+    assert box is not None and 0 <= box["x"] < 390, box      # on the screen, not beside it
+    context.close()
+    assert not errors, f"JavaScript errors: {errors}"

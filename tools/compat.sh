@@ -35,7 +35,7 @@ name="${1:?usage: tools/compat.sh oldest|newest}"
 case "$name" in
   oldest) pins="$OLDEST"; pattern='^(import dpbook|from dpbook)' ;;       # every notebook
   newest) version="$(newest_torch)"
-          [ -n "$version" ] || { echo "compat: cannot ask the registry for torch's releases" >&2; exit 1; }
+          [ -n "$version" ] || { echo "compat: pip cannot tell the newest torch" >&2; exit 1; }
           pins="torch==$version"; pattern='dpbook import torch|dpbook\.torch' ;;  # the PyTorch ones
   *) echo "unknown environment $name: oldest or newest" >&2; exit 2 ;;
 esac
@@ -61,8 +61,9 @@ if [ ! -f "$stamp" ]; then
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   # the pinned requirements, less the frameworks this environment replaces and the
   # book-building tools it does not need
-  grep -v -E '^(jupyter-book|playwright|jieba|torch|jax|jaxlib|flax|optax)([=<> ]|$)' \
-    requirements.txt > "$venv/requirements.txt"
+  skip='jupyter-book|sphinx-book-theme|pydata-sphinx-theme|playwright|jieba'
+  skip="$skip|torch|jax|jaxlib|flax|optax"
+  grep -v -E "^($skip)([=<> ]|\$)" requirements.txt > "$venv/requirements.txt"
   # shellcheck disable=SC2086
   "$venv/bin/python" -m pip install --quiet -r "$venv/requirements.txt" $pins \
     $( [ "$name" = newest ] && grep -E '^(jax|jaxlib|flax|optax)==' requirements.txt )
