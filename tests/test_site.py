@@ -171,3 +171,12 @@ def test_chinese_pages_show_chinese_hints(site):
         assert not [k for k, text in english.items() if text in page], entry
         shown += [k for k, text in chinese.items() if f"提示：{text}" in page]
     assert shown, "no Chinese hint on any Chinese page"
+
+
+def test_the_api_page_shows_data_by_name_not_by_value(site):
+    """autodoc_default_options no-value: HINTS is listed with its docstring, without the
+    hundred hints in two languages that made the page 5,900 px tall."""
+    from dpbook.exercises import HINTS
+    page = _page(site, "en", "chapters/en/appendix/api")
+    assert 'id="dpbook.exercises.HINTS"' in page
+    assert html.escape(HINTS["exception"]["en"], quote=False) not in page
