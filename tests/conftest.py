@@ -51,6 +51,7 @@ def _num_gpus() -> int:
     return torch.cuda.device_count()
 
 
+@pytest.hookimpl(tryfirst=True)    # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     # Tests of the built site run last: test_notebooks stores the runs the site build
     # then reuses (see `book_out`), whatever the file names.

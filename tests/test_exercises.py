@@ -356,6 +356,29 @@ def stacking_scan(params, apply_fn, X, y, k):     # right numbers, k gradients a
     return losses.mean(), jax.tree.map(lambda g: g.mean(0), grads)
 
 
+def per_example_losses_scan(params, apply_fn, X, y, k):   # right: the carry sums the
+    Xs, ys = X.reshape(k, -1, *X.shape[1:]), y.reshape(k, -1)   # gradients, ys are losses
+    zeros = jax.tree.map(jnp.zeros_like, params)
+
+    def micro(total, batch):
+        Xi, yi = batch
+        def loss_fn(p):
+            logp = jax.nn.log_softmax(apply_fn({"params": p}, Xi))
+            losses = -jnp.take_along_axis(logp, yi[:, None], axis=1)[:, 0]
+            return losses.mean(), losses
+        (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return jax.tree.map(jnp.add, total, grads), losses   # ys: (k, micro-batch)
+
+    total, losses = lax.scan(micro, zeros, (Xs, ys))
+    return losses.mean(), jax.tree.map(lambda g: g / k, total)
+
+
+def test_a_scan_returning_per_example_losses_is_right(capsys):
+    """24 examples in 8 micro-batches: the losses' ys have the shape (8, 3) of a stacked
+    bias of 3 classes; only a scan that stacks every parameter's gradient is refused."""
+    assert jax_exercises.check_scan_accumulation(per_example_losses_scan) is None
+
+
 def python_loop(params, apply_fn, X, y, k):        # right numbers, k copies when traced
     losses, total = [], jax.tree.map(jnp.zeros_like, params)
     for Xi, yi in zip(jnp.split(X, k), jnp.split(y, k)):

@@ -45,7 +45,7 @@ def test_notebook_runs(path, book_out):
     if twin in EXECUTED:
         nb = with_outputs_of(jupytext.read(path), EXECUTED[twin], str(path), "zh")
     else:                      # an English notebook, or a Chinese one run on its own (-k)
-        nb = execute(path)
+        nb = execute(path, **({} if path.is_relative_to(en) else {"DPBOOK_LANG": "zh"}))
         if path.is_relative_to(en):
             EXECUTED[path.relative_to(en)] = nb
     text = outputs_text(nb)

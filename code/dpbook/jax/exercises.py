@@ -184,18 +184,21 @@ def _linear_apply(variables, X):
 
 def _stacked_gradients(closed, shapes: set[tuple[int, ...]]) -> list[str]:
     """The stacked outputs (``ys``) of every ``scan`` in a traced program, nested ones
-    included, that hold one gradient-shaped array per iteration: an output of shape
-    ``(length, *s)`` for a parameter shape ``s`` — k gradient copies in memory."""
+    included, that hold one gradient per iteration: outputs of shape ``(length, *s)``
+    for *every* parameter shape ``s`` — k gradient copies in memory. (One such output
+    alone may be something else: per-example losses of a micro-batch of 3 look like a
+    stacked bias of 3 classes.)"""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "scan":
                 length, carry = eqn.params["length"], eqn.params["num_carry"]
-                for var in eqn.outvars[carry:]:
-                    shape = tuple(var.aval.shape)
-                    if shape[:1] == (length,) and shape[1:] in shapes:
-                        found.append(f"{var.aval.dtype}{list(shape)}")
+                stacked = [var.aval for var in eqn.outvars[carry:]
+                           if tuple(var.aval.shape[:1]) == (length,)
+                           and tuple(var.aval.shape[1:]) in shapes]
+                if {tuple(a.shape[1:]) for a in stacked} == shapes:
+                    found.extend(f"{a.dtype}{list(a.shape)}" for a in stacked)
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
                     inner = getattr(sub, "jaxpr", sub)       # a ClosedJaxpr or a Jaxpr
