@@ -5,7 +5,7 @@
 #
 #   bash tools/compat.sh oldest   # the oldest releases the book accepts (dpbook.versions):
 #                                 # every English notebook at the quick scale
-#   bash tools/compat.sh newest   # the newest torch the registry serves, jax/flax at their
+#   bash tools/compat.sh newest   # the newest torch pip installs, jax/flax at their
 #                                 # pins: the PyTorch notebooks at the quick scale
 #
 # Called by `make test-compat` and by CI. The versions below and dpbook.versions.MINIMUM
