@@ -105,6 +105,44 @@ def test_hardware_line_names_devices_and_jax():
     assert "devices (2): [cpu:0, cpu:1]" in line and f"jax {jax.__version__}" in line
 
 
+def test_all_devices_takes_the_emulated_cpus_over_one_gpu(monkeypatch):
+    """One GPU and 8 emulated CPU devices: the pages spread work over the 8 (as on Colab's
+    GPU runtime), and their exercise guards count the same devices as the checks."""
+    cpus = jax.devices("cpu")
+    assert dp.all_devices() == jax.devices()          # a CPU machine: every device
+    gpu = type("Gpu", (), {"platform": "gpu", "id": 0, "device_kind": "H200"})()
+    monkeypatch.setattr(jax, "devices", lambda backend=None: cpus if backend else [gpu])
+    assert dp.all_devices() == cpus
+    from dpbook.jax import exercises
+    assert exercises._check_devices() == cpus
+
+
+def test_hardware_line_when_jax_is_kept_on_the_cpu():
+    """A process restricted to the CPU (jax_platforms=cpu, as the multi-machine processes)
+    cannot see the GPUs: its line says they are not used, not that there are none."""
+    old = jax.config.jax_platforms
+    jax.config.update("jax_platforms", "cpu")
+    try:
+        line = dp.hardware_line(jax.devices()[:2])
+    finally:
+        jax.config.update("jax_platforms", old)
+    assert "gpus: not used (jax_platforms=cpu)" in line and "gpus: none" not in line
+
+
+def test_cross_entropy_is_optax_integer_label_loss_without_a_scatter():
+    import optax
+    from dpbook.jax.state import cross_entropy
+    logits = jax.random.normal(jax.random.key(0), (16, 10))
+    y = jax.random.randint(jax.random.key(1), (16,), 0, 10)
+    want = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    np.testing.assert_allclose(cross_entropy(logits, y), want, rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(cross_entropy)(logits, y), jax.grad(
+        lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y).mean())(logits),
+        rtol=1e-5, atol=1e-7)
+    jaxpr = str(jax.make_jaxpr(jax.grad(cross_entropy))(logits, y))
+    assert "scatter" not in jaxpr and "gather" not in jaxpr
+
+
 def test_load_data_fashion_mnist(fashion_mnist_dir):
     train_iter, test_iter = dp.load_data_fashion_mnist(100, 250, 130, root=fashion_mnist_dir)
     batches = list(train_iter)

@@ -15,7 +15,7 @@ from ..devices import emulate_cpu_devices, split_sizes
 from ..plot import Animator
 from ..tools import Accumulator, TrainResult, benchmark, cosine_lr
 from .data import load_data_fashion_mnist
-from .devices import (Timer, devices_note, get_devices, get_scale, hardware_line,
+from .devices import (Timer, all_devices, devices_note, get_devices, get_scale, hardware_line,
                       split_batch, synchronize, try_all_gpus, try_gpu)
 from .models import LeNet, LeNet5, LeNetBN, Residual, ResNet18, num_params
 from .state import evaluate_accuracy
@@ -23,7 +23,7 @@ from .state import evaluate_accuracy
 __all__ = ["SCALES", "Scale", "num_devices", "ArrayLoader", "get_fashion_mnist_labels",
            "read_fashion_mnist", "emulate_cpu_devices", "split_sizes", "Animator",
            "Accumulator", "TrainResult", "benchmark", "cosine_lr", "load_data_fashion_mnist",
-           "Timer", "devices_note", "get_devices", "get_scale", "hardware_line",
+           "Timer", "all_devices", "devices_note", "get_devices", "get_scale", "hardware_line",
            "split_batch", "synchronize",
            "try_gpu", "try_all_gpus", "LeNet", "LeNet5", "LeNetBN", "Residual", "ResNet18",
            "num_params", "evaluate_accuracy"]

@@ -7,7 +7,7 @@ import jax
 
 from .. import config, devices as _core, tools
 
-__all__ = ["try_gpu", "try_all_gpus", "get_devices", "devices_note", "synchronize", "Timer",
+__all__ = ["try_gpu", "try_all_gpus", "get_devices", "all_devices", "devices_note", "synchronize", "Timer",
            "get_scale", "hardware_line", "split_batch"]
 
 
@@ -49,6 +49,12 @@ def get_devices(n: int | None = None) -> list[jax.Device]:
         "`import jax` (restart the kernel first if jax is already imported)")
 
 
+def all_devices() -> list[jax.Device]:
+    """Every device a page can spread work over: ``jax.devices()``, or the emulated CPU
+    devices when there are more of them (one GPU and 8 emulated CPU devices: the 8)."""
+    return max(jax.devices(), jax.devices("cpu"), key=len)
+
+
 def devices_note(devices: Sequence[jax.Device]) -> str | None:
     """One line for the reader when ``devices`` are emulated CPU devices on a machine
     with a GPU, else ``None``."""
@@ -81,7 +87,10 @@ def hardware_line(devices: Sequence[jax.Device] | None = None) -> str:
     """Where a number came from: CPU, GPUs, the devices used, jax version and scale."""
     if devices is None:
         devices = get_devices()
-    gpus = [d.device_kind for d in jax.devices() if d.platform == "gpu"]
+    if (jax.config.jax_platforms or "").split(",") == ["cpu"]:
+        gpus = ["not used (jax_platforms=cpu)"]   # JAX does not look for them
+    else:
+        gpus = [d.device_kind for d in jax.devices() if d.platform == "gpu"]
     return _core.hardware_line([f"{d.platform}:{d.id}" for d in devices], gpus,
                                {"jax": jax.__version__}, get_scale().name)
 

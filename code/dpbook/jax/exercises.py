@@ -6,7 +6,7 @@ for the JAX notebooks' convenience, the framework-free :func:`dpbook.exercises.c
 (padding and mask of unequal shards)."""
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ..exercises import Failure, check_pad_batch, run_check
+from .devices import all_devices
 from .state import AXIS, make_mesh
 
 __all__ = ["check_allreduce", "check_ring_allreduce", "check_shard_map_grads",
@@ -23,7 +24,7 @@ __all__ = ["check_allreduce", "check_ring_allreduce", "check_shard_map_grads",
 def _check_devices() -> list[jax.Device]:
     """The devices a check runs its cases on: the emulated CPU devices when there are more
     of them than accelerators (one GPU still gives the cases of 2, 3, 4 and 8 devices)."""
-    return max(jax.devices(), jax.devices("cpu"), key=len)
+    return all_devices()
 
 
 def check_allreduce(fn: Callable[[list[jax.Array]], Sequence[jax.Array]], quiet: bool = False
@@ -182,6 +183,19 @@ def _linear_apply(variables, X):
     return X @ variables["params"]["w"] + variables["params"]["b"]
 
 
+def _equations(jaxpr) -> Iterator:
+    """Every equation of a traced program, those of nested programs (a scan's body, a
+    pjit's callee) included. Read from the objects, not the printed text, whose form
+    changes between JAX releases (jax 0.11 prints no ``scan[``)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)       # a ClosedJaxpr or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
 def _stacked_gradients(closed, shapes: set[tuple[int, ...]]) -> list[str]:
     """The stacked outputs (``ys``) of every ``scan`` in a traced program, nested ones
     included, that hold one gradient per iteration: outputs of shape ``(length, *s)``
@@ -189,23 +203,14 @@ def _stacked_gradients(closed, shapes: set[tuple[int, ...]]) -> list[str]:
     alone may be something else: per-example losses of a micro-batch of 3 look like a
     stacked bias of 3 classes.)"""
     found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "scan":
-                length, carry = eqn.params["length"], eqn.params["num_carry"]
-                stacked = [var.aval for var in eqn.outvars[carry:]
-                           if tuple(var.aval.shape[:1]) == (length,)
-                           and tuple(var.aval.shape[1:]) in shapes]
-                if {tuple(a.shape[1:]) for a in stacked} == shapes:
-                    found.extend(f"{a.dtype}{list(a.shape)}" for a in stacked)
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)       # a ClosedJaxpr or a Jaxpr
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(closed.jaxpr)
+    for eqn in _equations(closed.jaxpr):
+        if eqn.primitive.name == "scan":
+            length, carry = eqn.params["length"], eqn.params["num_carry"]
+            stacked = [var.aval for var in eqn.outvars[carry:]
+                       if tuple(var.aval.shape[:1]) == (length,)
+                       and tuple(var.aval.shape[1:]) in shapes]
+            if {tuple(a.shape[1:]) for a in stacked} == shapes:
+                found.extend(f"{a.dtype}{list(a.shape)}" for a in stacked)
     return found
 
 
@@ -242,7 +247,7 @@ def check_scan_accumulation(fn: Callable, quiet: bool = False) -> Failure | None
         if k > 1:
             traced = jax.make_jaxpr(lambda p, X, y: fn(p, _linear_apply, X, y, k))(
                 params, X, y)
-            if "scan[" not in str(traced) and "while[" not in str(traced):
+            if not {"scan", "while"} & {e.primitive.name for e in _equations(traced.jaxpr)}:
                 return Failure("scan-unrolled", "no lax.scan (nor any other loop) in the "
                                "traced program")
             stacked = _stacked_gradients(

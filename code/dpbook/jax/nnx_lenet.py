@@ -14,8 +14,9 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import optax
 from flax import nnx
+
+from .state import cross_entropy
 
 __all__ = ["LeNet", "LINEN_NAMES", "from_linen", "to_linen", "train_step", "make_step"]
 
@@ -69,7 +70,7 @@ def train_step(graphdef, state, X, y):
     model, optimizer = nnx.merge(graphdef, state)
 
     def loss_fn(model):
-        return optax.softmax_cross_entropy_with_integer_labels(model(X), y).mean()
+        return cross_entropy(model(X), y)
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)

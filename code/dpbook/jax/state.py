@@ -23,7 +23,7 @@ from jax.sharding import AxisType, Mesh
 
 from ..tools import Accumulator
 
-__all__ = ["AXIS", "TrainState", "create_train_state", "loss_fn", "make_mesh", "predict",
+__all__ = ["AXIS", "TrainState", "create_train_state", "cross_entropy", "loss_fn", "make_mesh", "predict",
            "evaluate_accuracy", "max_abs_difference"]
 
 #: The name of the device axis, for ``pmap``'s ``axis_name`` and the mesh.
@@ -56,6 +56,18 @@ def create_train_state(model, key: jax.Array, lr: float,
                              tx=optax.sgd(lr), batch_stats=variables.get("batch_stats"))
 
 
+def cross_entropy(logits: jax.Array, y: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``logits`` against integer labels ``y``, through one-hot labels.
+
+    The same loss as ``optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()``,
+    but its gradient has no scatter. With the batch sharded over an *Explicit* mesh, JAX
+    0.11 cannot give the scatter of the integer-label version's gradient a sharding and
+    stops with a ``ShardingTypeError`` (seen with jax 0.11.2; jax-ml/jax#31795).
+    """
+    labels = jax.nn.one_hot(y, logits.shape[-1], dtype=logits.dtype)
+    return optax.softmax_cross_entropy(logits, labels).mean()
+
+
 def loss_fn(params, state: TrainState, X, y):
     """Mean cross-entropy over the examples in ``X``, and the new BatchNorm statistics.
 
@@ -68,7 +80,7 @@ def loss_fn(params, state: TrainState, X, y):
         logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
                                          X, train=True, mutable=["batch_stats"])
         batch_stats = updates["batch_stats"]
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    loss = cross_entropy(logits, y)
     return loss, batch_stats
 
 

@@ -102,7 +102,8 @@ def placement(nprocs: int, on: str = "auto", num_gpus: int | None = None) -> Pla
     num_gpus = torch.cuda.device_count() if num_gpus is None else num_gpus
     cpu = ("cpu",) * nprocs
     if on == "cpu":
-        unused = f" (the {_gpus(num_gpus)} stay unused)" if num_gpus else ""
+        unused = (f" (this machine's {_gpus(num_gpus)} "
+                  f"{'stays' if num_gpus == 1 else 'stay'} unused)") if num_gpus else ""
         return Placement(cpu, "gloo", "this demo runs CPU processes" + unused)
     if num_gpus == 0:
         return Placement(cpu, "gloo", "this machine has no GPU")
