@@ -40,9 +40,14 @@ test-fast: $(STAMP)
 	DPBOOK_SCALE=quick $(PY) -m pytest -q -n 2 -m "not notebook and not site and not multiprocess and not slow"
 
 # On a machine with GPUs: every notebook at the quick scale on them, DDP under NCCL.
-# Without a GPU every test skips, saying why.
-test-gpu: $(STAMP)
-	DPBOOK_SCALE=quick $(PY) -m pytest -q -rs tests/test_gpu.py
+# Without a GPU every test skips, saying why. By default in .venv (PyPI's Linux torch
+# wheels are CUDA builds); GPU_PYTHON=python3 runs it in a Python that already holds your
+# own CUDA builds of torch and jax, and installs nothing there. Four notebooks at a time:
+# JAX then takes GPU memory as it needs it instead of 75% of it per process.
+GPU_PYTHON ?= $(PY)
+test-gpu: $(if $(filter $(PY),$(GPU_PYTHON)),$(STAMP))
+	DPBOOK_SCALE=quick XLA_PYTHON_CLIENT_PREALLOCATE=false \
+	  $(GPU_PYTHON) -m pytest -q -rs -n 4 --dist load tests/test_gpu.py
 
 # The notebooks under the oldest releases the book accepts and the newest torch pip
 # installs, each in its own environment (tools/compat.sh; CI runs both).

@@ -17,6 +17,7 @@ import yaml
 from book import ROOT, is_notebook, source, toc_files
 
 import notebooks  # noqa: E402  (tools/notebooks.py, on sys.path through book.py)
+import runs  # noqa: E402  (tools/runs.py)
 
 pytestmark = pytest.mark.site     # builds or reads the site (make test-fast skips it)
 
@@ -36,6 +37,15 @@ def test_chinese_edition_is_chinese(site):
     text = (site / "zh/searchindex.js").read_text(encoding="utf8")
     index = json.loads(text[text.index("(") + 1: text.rindex(")")])
     assert {"数据", "并行", "设备"} <= set(index["terms"])   # words cut by jieba
+    # the book's own terms are kept whole (a jieba dictionary made from glossary.yml)
+    def pages(term: str) -> set[str]:     # in the text or in a title
+        found = set()
+        for where in (index["terms"], index["titleterms"]):
+            docs = where.get(term, [])
+            found |= {index["docnames"][i] for i in ([docs] if isinstance(docs, int) else docs)}
+        return found
+    assert "chapters/zh/communication/allreduce" in pages("全归约")
+    assert "chapters/zh/inside-ddp/accumulation" in pages("梯度累加")
     english = (site / "chapters/en/index.html").read_text(encoding="utf8")
     assert 'lang="en"' in english
 
@@ -93,7 +103,7 @@ def test_every_page_links_to_the_same_page_in_the_other_edition(site):
             assert target == expected.resolve(), (entry, m[1])
 
 
-def test_notebook_pages_offer_colab_download_and_provenance(site):
+def test_notebook_pages_offer_colab_download_and_provenance(site, book_out):
     for lang in ("en", "zh"):
         for entry in toc_files(lang):
             text = _page(site, lang, entry)
@@ -109,12 +119,15 @@ def test_notebook_pages_offer_colab_download_and_provenance(site):
             assert downloaded.read_text(encoding="utf8") == \
                 notebooks.notebook_path(entry).read_text(encoding="utf8")
             box = re.search(r'<div class="dpbook-provenance">(.*?)</div>', text, re.S)[1]
-            printed = {html.unescape(m) for m in re.findall(r"hardware \| ([^<\n]*)",
-                                                            text.replace(box, ""))}
-            assert printed, f"{entry}: the notebook printed no hardware line"
-            for line in printed:          # every hardware line of the page is in the box
-                assert html.escape(line.strip()) in box, (entry, line)
-            assert "<b>quick</b>" in box
+            # one line from the run's record, under the title, with no JSON in it
+            twin = entry.replace(f"/{lang}/", "/en/", 1)
+            record = (runs.load(runs.stored_path(twin, "quick", book_out / "outputs"))
+                      or runs.load(runs.stored_path(twin, "quick")))
+            run = record.metadata["dpbook_run"]
+            assert "<b>quick</b>" in box and run["executed"][:10] in box, (entry, box)
+            assert html.escape(run["hardware"]["cpu"]) in box, (entry, box)
+            assert not re.search(r"[{}\[\]]|&quot;", box), (entry, box)
+            assert text.index("</h1>") < text.index("dpbook-provenance"), entry
 
 
 def test_glossary_page_lists_every_term_in_both_editions(site):

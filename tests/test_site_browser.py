@@ -164,13 +164,18 @@ def test_chinese_text_renders_with_a_cjk_font(server, page, name):
     assert sum(cjk.values()) >= 10     # the Chinese characters, not a stray symbol
 
 
-def test_chinese_search_finds_pages(server, page):
-    page.goto(server + "zh/search.html?q=数据并行", wait_until="load")
+@pytest.mark.parametrize("query, chapter", [("数据并行", None),
+                                            ("全归约", "communication/allreduce"),
+                                            ("梯度累加", "inside-ddp/accumulation")])
+def test_chinese_search_finds_pages(server, page, query, chapter):
+    page.goto(server + f"zh/search.html?q={query}", wait_until="load")
     results = page.locator("#search-results ul.search li")
     results.first.wait_for(timeout=20_000)
     links = results.locator("a").evaluate_all("els => els.map(e => e.href)")
     assert links and all(link.startswith(server + "zh/chapters/zh/") for link in links), links
     assert all(_status(urldefrag(link)[0]) == 200 for link in links)
+    if chapter:    # a term jieba alone would cut in two (全 + 归约) finds its chapter
+        assert any(f"/chapters/zh/{chapter}.html" in link for link in links), links
 
 
 # ---------------------------------------------------------------- interactive widgets

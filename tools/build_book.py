@@ -63,13 +63,24 @@ def fill_cache(out: Path, scale: str, executed: dict) -> Path:
     return cache
 
 
+def provenance_records(executed: dict) -> dict:
+    """What each page's provenance box says, from its English run's record (the Chinese
+    page shows the same run): the scale, when, how long, where, with which releases."""
+    keep = ("scale", "executed", "seconds", "hardware", "machine", "versions")
+    return {entry: {k: nb.metadata["dpbook_run"][k] for k in keep
+                    if k in nb.metadata["dpbook_run"]}
+            for entry, nb in executed.items()}
+
+
 def start_edition(lang: str, scale: str, out: Path, cache: Path,
-                  warnings_as_errors: bool) -> tuple[subprocess.Popen, Path, Path]:
+                  warnings_as_errors: bool, records: dict | None = None
+                  ) -> tuple[subprocess.Popen, Path, Path]:
     """Start ``jb build`` of one edition into ``<out>/<lang>/``, its output going to
     ``<out>/<lang>.log``; return the process, the log and the HTML folder."""
     config_name, toc_name = EDITIONS[lang]
     config = yaml.safe_load((ROOT / config_name).read_text(encoding="utf8"))
     config["execute"]["cache"] = str(cache)
+    config["sphinx"]["config"]["dpbook_runs"] = records or {}   # tools/dpbook_site.py
     # The config is written elsewhere, and jupyter-book resolves paths from the config file.
     config["sphinx"]["local_extensions"] = {
         name: str(ROOT / path) for name, path in config["sphinx"]["local_extensions"].items()}
@@ -92,11 +103,12 @@ def start_edition(lang: str, scale: str, out: Path, cache: Path,
 
 
 def build_editions(langs: list[str], scale: str, out: Path, cache: Path,
-                   warnings_as_errors: bool) -> dict[str, Path]:
+                   warnings_as_errors: bool, records: dict | None = None
+                   ) -> dict[str, Path]:
     """Build the editions at the same time (Sphinx uses one core each; jb executes
     nothing, the runs come from the cache), then show each one's log in turn; raise if
     one failed. Returns each edition's HTML folder."""
-    started = {lang: start_edition(lang, scale, out, cache, warnings_as_errors)
+    started = {lang: start_edition(lang, scale, out, cache, warnings_as_errors, records)
                for lang in langs}
     failed = []
     for lang, (process, log, _) in started.items():
@@ -124,7 +136,8 @@ def main(argv: list[str] | None = None) -> Path:
     executed = runs.ensure(scale, os.environ.get("DPBOOK_EXECUTE", "auto"),
                               build=out / "outputs")
     cache = fill_cache(out, scale, executed)
-    html = build_editions(langs, scale, out, cache, args.strict)
+    html = build_editions(langs, scale, out, cache, args.strict,
+                          provenance_records(executed))
 
     site = out / "site"
     shutil.rmtree(site, ignore_errors=True)

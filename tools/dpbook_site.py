@@ -41,15 +41,16 @@ import notebooks  # tools/notebooks.py, on sys.path beside this file
 TEXT = {
     "en": {"other": "中文版", "other_title": "阅读本页的中文版", "colab": "Open in Colab",
            "download": "Download .ipynb",
-           "provenance": "Outputs on this page were computed at scale <b>{scale}</b> on:",
-           "no_provenance": "The outputs on this page print no hardware line."},
+           "provenance": "Outputs: scale <b>{scale}</b>, run on {date} in {seconds:.0f} s, "
+                         "on {hardware}; {versions}",
+           "no_provenance": "The outputs on this page have no run record."},
     "zh": {"other": "English edition", "other_title": "Read this page in English",
            "colab": "在Colab中打开", "download": "下载 .ipynb",
-           "provenance": "本页的输出是在规模 <b>{scale}</b> 下，由以下硬件计算得到的：",
-           "no_provenance": "本页的输出没有打印硬件信息行。"},
+           "provenance": "本页输出：规模<b>{scale}</b>，{date}运行，用时{seconds:.0f}秒；"
+                         "硬件：{hardware}；{versions}",
+           "no_provenance": "本页的输出没有运行记录。"},
 }
 OTHER = {"en": "zh", "zh": "en"}
-HARDWARE = re.compile(r"hardware \| ([^<\n]*)")
 
 
 def edition(app) -> str:
@@ -65,13 +66,37 @@ def other_page(pagename: str, lang: str) -> str:
     return f"{up}../{other}.html"
 
 
-def provenance(body: str) -> list[str]:
-    """The distinct hardware lines printed on a page, in order."""
-    lines = [html.unescape(m[1]).strip() for m in HARDWARE.finditer(body)]
-    return list(dict.fromkeys(lines))
+def machine(hw: dict | None, lang: str) -> str | None:
+    """A run record's hardware in the page's language: ``AMD EPYC, 2 logical cores, 24 GiB
+    RAM, no GPU``; ``None`` for a record made before runs recorded it."""
+    if not hw:
+        return None
+    gpus = ", ".join(hw["gpus"])
+    if lang == "zh":
+        return (f"{hw['cpu']}，{hw['cores']}个逻辑核心，{hw['ram_gib']} GiB内存，"
+                + (f"GPU：{gpus}" if gpus else "无GPU"))
+    return (f"{hw['cpu']}, {hw['cores']} logical cores, {hw['ram_gib']} GiB RAM, "
+            + (f"GPUs: {gpus}" if gpus else "no GPU"))
 
 
-def page_bar(app, pagename: str, body: str) -> str:
+def provenance(app, pagename: str) -> str:
+    """The provenance box of a notebook page: one line from its run's record (the English
+    twin's run for a Chinese page), passed in by tools/build_book.py as ``dpbook_runs``."""
+    lang = edition(app)
+    entry = pagename.replace(f"chapters/{lang}/", "chapters/en/", 1)
+    record = app.config.dpbook_runs.get(entry)
+    if not record:
+        return f'<div class="dpbook-provenance">{TEXT[lang]["no_provenance"]}</div>'
+    versions = ", ".join(f"{name} {v}"
+                         for name, v in sorted(record.get("versions", {}).items()))
+    line = TEXT[lang]["provenance"].format(
+        scale=record["scale"], date=record["executed"][:10], seconds=record["seconds"],
+        hardware=html.escape(machine(record.get("hardware"), lang) or record["machine"]),
+        versions=html.escape(versions or "-"))
+    return f'<div class="dpbook-provenance">{line}</div>'
+
+
+def page_bar(app, pagename: str) -> str:
     lang = edition(app)
     text = TEXT[lang]
     links = [f'<a class="dpbook-lang-switch" href="{other_page(pagename, lang)}" '
@@ -84,15 +109,7 @@ def page_bar(app, pagename: str, body: str) -> str:
                      f'{text["colab"]}</a>')
         links.append(f'<a class="dpbook-download" href="{up}{ipynb}" download>'
                      f'{text["download"]}</a>')
-        lines = provenance(body)
-        if lines:
-            scales = sorted({m[1] for line in lines for m in re.finditer(r"scale: (\w+)", line)})
-            items = "".join(f"<li><code>{html.escape(line)}</code></li>" for line in lines)
-            extra = (f'<div class="dpbook-provenance">'
-                     f'{text["provenance"].format(scale=", ".join(scales) or "?")}'
-                     f'<ul>{items}</ul></div>')
-        else:
-            extra = f'<div class="dpbook-provenance">{text["no_provenance"]}</div>'
+        extra = provenance(app, pagename)
     return f'<div class="dpbook-bar">{" · ".join(links)}</div>{extra}'
 
 
@@ -110,7 +127,32 @@ def on_page_context(app, pagename, templatename, context, doctree):
                 unique.append(js)
         context["script_files"] = unique
     if "body" in context and pagename.startswith("chapters/"):
-        context["body"] = page_bar(app, pagename, context["body"]) + context["body"]
+        # under the page's title, so that the title comes first on a phone
+        body, bar = context["body"], page_bar(app, pagename)
+        end = body.find("</h1>")
+        context["body"] = (body[:end + 5] + bar + body[end + 5:] if end >= 0
+                           else bar + body)
+
+
+def search_dictionary(root: Path, out: Path) -> Path:
+    """A jieba user dictionary of the book's Chinese terms (``glossary.yml``), so that the
+    Chinese search index keeps 全归约 or 梯度累加 whole instead of cutting them into 全 +
+    归约; Sphinx's Chinese indexer loads it (``html_search_options['dict']``). One word
+    per line and no frequency: jieba then gives each the frequency that keeps it whole."""
+    terms = yaml.safe_load((root / "glossary.yml").read_text(encoding="utf8"))
+    words = sorted({t["zh"] for t in terms
+                    if re.search(r"[\u4e00-\u9fff]", t["zh"]) and " " not in t["zh"]})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(f"{w}\n" for w in words), encoding="utf8")
+    return out
+
+
+def on_config_inited(app, config):
+    if edition(app) == "zh":
+        out = Path(app.doctreedir) / "jieba-glossary.txt"
+        path = search_dictionary(Path(app.srcdir), out)
+        config.html_search_options = {**(config.html_search_options or {}),
+                                      "dict": str(path)}
 
 
 def on_builder_inited(app):
@@ -244,6 +286,9 @@ class WidgetDirective(SphinxDirective):
 
 
 def setup(app):
+    # page → its run's record (scale, date, hardware, releases), from tools/build_book.py
+    app.add_config_value("dpbook_runs", {}, "html")
+    app.connect("config-inited", on_config_inited)
     app.connect("builder-inited", on_builder_inited)
     app.connect("html-page-context", on_page_context)
     app.connect("build-finished", on_build_finished)

@@ -56,9 +56,23 @@ REFRESH = "make outputs"                  # the command that refreshes stale out
 # Run in the kernel after the notebook's last cell; prints what the run depended on.
 PROBE = """\
 import sys as _sys, json as _json, importlib.metadata as _md
-print("dpbook-run-probe " + _json.dumps({
-    "modules": sorted(m for m in _sys.modules if m.split(".")[0] == "dpbook"),
-    "versions": {p: _md.version(p) for p in %r if p in _sys.modules}}))
+_found = {"modules": sorted(m for m in _sys.modules if m.split(".")[0] == "dpbook"),
+          "versions": {p: _md.version(p) for p in %r if p in _sys.modules}}
+def _gpus():
+    try:
+        if "torch" in _sys.modules:
+            import torch
+            return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if "jax" in _sys.modules:
+            import jax
+            return [d.device_kind for d in jax.devices() if d.platform == "gpu"]
+    except Exception:  # the record says less, the run stands
+        pass
+    return []
+import psutil as _ps, dpbook.devices as _dev
+_found["hardware"] = {"cpu": _dev.cpu_name(), "cores": _ps.cpu_count(logical=True),
+                      "ram_gib": round(_ps.virtual_memory().total / 2**30), "gpus": _gpus()}
+print("dpbook-run-probe " + _json.dumps(_found))
 """ % (FRAMEWORKS,)
 
 
@@ -230,6 +244,7 @@ def execute(path: Path, scale: str, env: dict | None = None, timeout: int = 1800
         "seconds": round(seconds, 1),
         "executed": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+        "hardware": found["hardware"],
     }
     return nb
 
