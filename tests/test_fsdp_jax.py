@@ -7,6 +7,8 @@ and gathered parameters kept into the backward pass; with each layer remateriali
 both gathers at the start, so the whole parameters alive at once do not shrink."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +114,43 @@ def test_in_step_memory_and_remat():
                  for k in (name, "replicated")]
         assert max_abs_difference(*grads) < 1e-5
         assert max_abs_difference(new[name].params, new["replicated"].params) < 1e-5
+
+
+GPU_FIXTURES = Path(__file__).parent / "fixtures" / "hlo"
+
+
+@pytest.mark.parametrize("name", ["gpu_step.hlo", "gpu_step_async.hlo"])
+def test_gathered_params_read_gpu_hlo(name):
+    """On a GPU the gather is an async pair inside a command buffer (a called
+    computation): the whole kernel leaves the call as a tuple element."""
+    text = (GPU_FIXTURES / name).read_text()
+    [whole] = fsdp.parse_gathered_params(text, [(64, 32), (64,)])
+    assert whole.shape == (64, 32) and whole.opcode == "all-gather"
+    assert whole.nbytes == 64 * 32 * 4 and whole.phase == "backward"   # its last reader
+    assert whole.first < whole.last
+
+
+ENTRY_GATHERS = """\
+HloModule m, is_scheduled=true
+
+ENTRY %main (p0: f32[2,8], p1: f32[4]) -> f32[] {
+  %p0 = f32[2,8]{1,0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  %ag-start = (f32[2,8]{1,0}, f32[8,8]{1,0}) all-gather-start(%p0), dimensions={0}
+  %other = f32[4]{0} negate(%p1)
+  %ag-done = f32[8,8]{1,0} all-gather-done(%ag-start)
+  %both = (f32[8,8]{1,0}, f32[16]{0}) all-gather(%p0, %p1), dimensions={0}
+  %w = f32[8,8]{1,0} get-tuple-element(%both), index=0
+  %b = f32[16]{0} get-tuple-element(%both), index=1
+  %use = f32[8,8]{1,0} add(%ag-done, %w), metadata={op_name="jit(step)/jvp(f)/add"}
+  ROOT %r = f32[] reduce(%b, %use), dimensions={0}
+}
+"""
+
+
+def test_gathered_params_read_async_pairs_and_tuple_gathers():
+    found = {(w.shape, w.first) for w in fsdp.parse_gathered_params(ENTRY_GATHERS,
+                                                                    [(8, 8), (16,)])}
+    # the async pair is whole from its start (position 2), the tuple's two elements
+    # from their get-tuple-element; the operands' shards are not whole
+    assert found == {((8, 8), 2), ((8, 8), 6), ((16,), 7)}

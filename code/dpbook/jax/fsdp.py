@@ -22,6 +22,7 @@ parameters exist and for how long.
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -142,27 +143,68 @@ def gathered_params(jitted: Callable, shapes, *args) -> list[Whole]:
     (the parameters' shapes; the transpose of a matrix counts), or a copy of one (an
     instruction with as many elements whose one operand is one, e.g. a change of layout).
     It is alive from its position in the schedule to that of its last reader: the
-    entry computation's instructions, in order, which on the CPU backend is the
-    schedule (a GPU's command buffers, called computations, are not looked into).
+    entry computation's instructions, in order, which is the schedule (on a GPU a
+    command buffer, a called computation, counts as one position: its gathered arrays
+    are whole from the call on; see :func:`parse_gathered_params`).
     """
     return parse_gathered_params(hlo.compiled_text(jitted, *args), shapes)
 
 
 def parse_gathered_params(text: str, shapes) -> list[Whole]:
-    """:func:`gathered_params` for the text of a compiled HLO module."""
+    """:func:`gathered_params` for the text of a compiled HLO module.
+
+    It reads a gather in the three forms XLA prints: an ``all-gather`` (the CPU
+    backend); an asynchronous pair, whose ``all-gather-done`` (or the ``async-done`` of
+    an all-gather) holds the whole array from its ``-start`` on (GPUs); and a gather
+    inside a called computation (a GPU command buffer), whose whole arrays leave the
+    call as elements of its tuple, taken out by ``get-tuple-element``. A gather of
+    several arrays at once returns a tuple, read the same way.
+    """
     shapes = {tuple(s) for s in shapes} | {tuple(s)[::-1] for s in shapes}
     computations, entry = hlo._module(text)
+    pairs = hlo._Async(computations)
+
+    def is_gather(i) -> bool:
+        return i.opcode == "all-gather" or (
+            i.opcode.endswith("-done") and pairs.kind.get(i) == "all-gather")
+
+    def whole_elements(i) -> set[int]:
+        """The elements of ``i``'s tuple result that are whole parameters."""
+        parts = hlo._split(hlo._clean(i.type)[1:-1]) if i.type.startswith("(") else []
+        if is_gather(i):
+            return {j for j, t in enumerate(parts) if _dims(t) in shapes}
+        called = computations.get(i.attr("to_apply") or i.attr("calls") or "", [])
+        root = next((c for c in called if c.root), None)
+        if i.opcode != "call" or root is None or root.opcode != "tuple":
+            return set()
+        inner = {c.name: c for c in called}
+        return {j for j, o in enumerate(root.operands) if o in inner
+                and is_gather(inner[o]) and _dims(hlo._clean(inner[o].type)) in shapes}
+
     body = computations[entry]
+    position = {i.name: k for k, i in enumerate(body)}
     alive: dict[str, list] = {}                   # name -> [result, opcode, first, last]
+    tuples: dict[str, set[int]] = {}              # a tuple holding whole parameters
     for k, i in enumerate(body):
         result = hlo._clean(i.type)
         whole = [o for o in i.operands if o in alive]
         for o in whole:
             alive[o][3] = k
-        if i.opcode == "all-gather" and _dims(result) in shapes or (
-                whole and len(i.operands) == 1 and not result.startswith("(")
-                and math.prod(_dims(result)) == math.prod(_dims(alive[whole[0]][0]))):
-            alive[i.name] = [result, i.opcode, k, k]
+        if result.startswith("("):
+            if elements := whole_elements(i):
+                tuples[i.name] = elements
+            continue
+        index = re.search(r"\bindex=(\d+)", i.attrs)
+        if is_gather(i) and _dims(result) in shapes:
+            start = pairs.start.get(i)                # an async pair: whole from its start
+            first = position.get(start.name, k) if start is not None else k
+            alive[i.name] = [result, "all-gather", first, k]
+        elif (i.opcode == "get-tuple-element" and i.operands and i.operands[0] in tuples
+              and index and int(index[1]) in tuples[i.operands[0]]):
+            alive[i.name] = [result, "all-gather", k, k]
+        elif whole and len(i.operands) == 1 and \
+                math.prod(_dims(result)) == math.prod(_dims(alive[whole[0]][0])):
+            alive[i.name] = [result, i.opcode, k, k]      # a copy, e.g. a new layout
     return [Whole(_dims(r), opcode, a, b, hlo.type_bytes(r),
                   hlo._phase(body[b].opcode, body[b].op_name()))
             for r, opcode, a, b in alive.values()]
