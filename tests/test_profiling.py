@@ -22,6 +22,30 @@ def test_timeline_and_overlap_from_a_trace():
     assert profiling.overlap_fraction({"backward": [(0, 1)], "allreduce": []}) == 0
 
 
+def test_timeline_on_a_gpu_reads_the_kernels():
+    """On CUDA the CPU spans only launch work: the lanes are kernels, backward's those a
+    backward function launched (the correlation id ties a kernel to its launch)."""
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"correlation": corr}}
+
+    def launch(ts, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts,
+                "dur": 5, "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [
+        {"ph": "X", "name": "aten::mm", "ts": 0, "dur": 100}, launch(10, 1),   # forward
+        {"ph": "X", "name": "autograd::engine::evaluate_function: AddmmBackward0",
+         "ts": 1000, "dur": 100}, launch(1050, 2),
+        {"ph": "X", "name": "nccl:all_reduce", "ts": 1100, "dur": 10},  # only the launch
+        kernel("volta_sgemm_128x64_nn", 500, 1000, 1),
+        kernel("volta_sgemm_128x64_tn", 2000, 3000, 2),
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 4000, 2000, 3)]}
+    lanes = profiling.timeline(trace)
+    assert lanes == {"backward": [(2.0, 3.0)], "allreduce": [(4.0, 2.0)]}
+    assert profiling.overlap_fraction(lanes) == pytest.approx(0.5)
+
+
 def _launches(trace):
     """When the main thread handed each allreduce over (ms), and when backward ended."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]

@@ -229,8 +229,11 @@ def init_process(rank: int, world_size: int, local_rank: int | None = None,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout)
+    # device_id binds NCCL to this rank's GPU at once (without it NCCL warns once per
+    # rank that it does not know the device, and connects at the first collective)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                            store=_attempt_store(rank, world_size, timeout))
+                            store=_attempt_store(rank, world_size, timeout),
+                            device_id=device if device.type == "cuda" else None)
     return device
 
 

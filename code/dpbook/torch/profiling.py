@@ -92,20 +92,36 @@ def profile(nprocs: int, names: Sequence[str] = ("flat", "bucketed", "ddp"), wid
 
 def timeline(trace: dict) -> dict[str, list[tuple[float, float]]]:
     """The two lanes of a profiled step, from the trace's own events, as ``(start, length)``
-    in milliseconds from the step's first event: ``"backward"`` (autograd's evaluation of
-    each backward function, on the main thread) and ``"allreduce"`` (the collective as
-    gloo or NCCL ran it, on their own threads)."""
+    in milliseconds from the step's first event: ``"backward"`` and ``"allreduce"``.
+
+    On the CPU they are autograd's evaluation of each backward function (on the main
+    thread) and the collective as gloo ran it (on its own thread). On a GPU those CPU
+    spans only launch work, so the lanes are the GPU's kernels instead: the kernels that
+    backward functions launched, and NCCL's kernels (the trace's ``kernel`` events, tied
+    to their launch by the ``correlation`` id).
+    """
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     start = min(e["ts"] for e in events)
     lanes: dict[str, list[tuple[float, float]]] = {"backward": [], "allreduce": []}
-    for e in events:
-        name = e["name"]
-        if name.startswith("autograd::engine::evaluate_function:"):
-            lane = "backward"
-        elif name in ("gloo:all_reduce", "nccl:all_reduce"):
-            lane = "allreduce"
-        else:
-            continue
+    backward = [e for e in events
+                if e["name"].startswith("autograd::engine::evaluate_function:")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if kernels:
+        launched = {e["args"]["correlation"]: e["ts"] for e in events
+                    if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+        spans = _union([(e["ts"], e["dur"]) for e in backward])
+        chosen = []
+        for k in kernels:
+            at = launched.get(k.get("args", {}).get("correlation"))
+            if "nccl" in k["name"].lower():
+                chosen.append(("allreduce", k))
+            elif at is not None and any(a <= at <= b for a, b in spans):
+                chosen.append(("backward", k))
+    else:
+        chosen = [("backward", e) for e in backward] + [
+            ("allreduce", e) for e in events
+            if e["name"] in ("gloo:all_reduce", "nccl:all_reduce")]
+    for lane, e in chosen:
         lanes[lane].append(((e["ts"] - start) / 1e3, e["dur"] / 1e3))
     return {lane: sorted(spans) for lane, spans in lanes.items()}
 
