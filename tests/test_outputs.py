@@ -41,6 +41,13 @@ def test_stored_run_is_a_cpu_run_with_its_hardware_line(entry):
     record = nb.metadata["dpbook_run"]
     assert record["modules"], "a notebook of this book imports dpbook"
     assert set(record["versions"]) <= set(runs.FRAMEWORKS)
+    assert {"cpu", "cores", "ram_gib", "gpus"} <= set(record["hardware"])
+    # a cell that ends by glueing a value for the prose shows no stray value
+    for cell in nb.cells:
+        lines = [line for line in cell.source.splitlines() if line.strip()]
+        if cell.cell_type == "code" and lines and lines[-1].startswith("glue("):
+            shown = [o for o in cell.outputs if o.output_type == "execute_result"]
+            assert not shown, (entry, cell.source[-200:], shown)
 
 
 # The key: what must make a run stale, and what must not.

@@ -6,8 +6,9 @@ page shows the value of the run whose outputs it shows (myst-nb's glue; the Chin
 takes the English run's outputs, glue included).
 
 Outside the book build — on Colab, in a plain Jupyter, in a script — myst-nb may be
-missing: then :func:`glue` does nothing but return the value, and the generated notebooks
+missing: then :func:`glue` does nothing, and the generated notebooks
 (``tools/notebooks.py``) write the stored run's value where the prose had the role.
+:func:`glue` returns nothing, so a cell that ends with it shows no stray value.
 """
 from __future__ import annotations
 
@@ -16,14 +17,13 @@ from typing import Any
 __all__ = ["glue"]
 
 
-def glue(name: str, value: Any) -> Any:
-    """Record ``value`` under ``name`` for the prose (myst-nb, in a notebook); return it."""
+def glue(name: str, value: Any) -> None:
+    """Record ``value`` under ``name`` for the prose (myst-nb, in a notebook)."""
     from .plot import in_notebook
     if not in_notebook():
-        return value
+        return
     try:
         from myst_nb import glue as myst_glue
     except ImportError:          # Colab or a plain Jupyter: the prose shows the stored value
-        return value
+        return
     myst_glue(name, value, display=False)
-    return value

@@ -30,11 +30,13 @@ def fashion_mnist_datasets(num_train: int | None = None, num_test: int | None = 
                                       normalize=normalize)))
 
 
-def random_batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed batch of random images ``(batch_size, 1, 28, 28)`` in [0, 1) and labels
-    0…9, the same for a given seed on every process: for checks that need no dataset."""
+def random_batch(batch_size: int, seed: int = 0, shape: tuple[int, ...] = (1, 28, 28)
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed batch of random inputs ``(batch_size, *shape)`` in [0, 1) (default: images
+    ``(1, 28, 28)``) and labels 0…9, the same for a given seed on every process: the one
+    batch maker of the multi-process checks, which need no dataset."""
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand(batch_size, 1, 28, 28, generator=g),
+    return (torch.rand(batch_size, *shape, generator=g),
             torch.randint(0, 10, (batch_size,), generator=g))
 
 

@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .data import random_batch
 from .evaluate import max_abs_difference
 from .devices import full_float32, hardware_line
 from .dist import group_devices, process_group, run, slowest_seconds
@@ -264,14 +265,6 @@ def sync_gradients(model: nn.Module) -> None:
         model.finish_gradient_synchronization()
 
 
-def _batches(kind: str, steps: int, batch_size: int, seed: int = 0):
-    """``steps`` random batches for the model ``kind`` (the same on every process)."""
-    g = torch.Generator().manual_seed(seed)
-    shape = (1, 28, 28) if kind == "lenet" else (32,)
-    return [(torch.rand(batch_size, *shape, generator=g),
-             torch.randint(0, 10, (batch_size,), generator=g)) for _ in range(steps)]
-
-
 class _RankBranch(nn.Module):
     """An MLP whose middle layer only rank 0 uses: on the other ranks its parameters
     get no gradient, and their allreduces come late."""
@@ -325,7 +318,9 @@ def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, 
                      if name == "ddp" and kind == "branch"
                      else wrap(name, module, bucket_cap_mb))
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-            for X, y in _batches(kind, steps, 6 * world_size):
+            shape = (1, 28, 28) if kind == "lenet" else (32,)
+            for step in range(steps):                  # the same batches on every rank
+                X, y = random_batch(6 * world_size, step, shape)
                 X, y = X.chunk(world_size)[rank].to(device), y.chunk(world_size)[rank].to(device)
                 optimizer.zero_grad()
                 for i, (Xi, yi) in enumerate(zip(X.chunk(micro_batches),

@@ -20,7 +20,8 @@ from torch.nn import functional as F
 
 from ..versions import require_for
 from .evaluate import max_abs_difference
-from .zero import OPTIMIZERS, Traffic, batch, reference
+from .data import random_batch
+from .zero import OPTIMIZERS, Traffic, reference
 
 require_for(__name__)   # FSDP2 on CPU processes needs a newer torch than the book (versions.yml)
 
@@ -106,7 +107,7 @@ def fsdp_worker(rank: int, world_size: int, optimizer: str, steps: int, batch_si
             traffic = Traffic(world_size)
             held = 0
             for step in range(steps):
-                X, y = batch(step, batch_size)
+                X, y = random_batch(batch_size, seed=1000 + step)
                 X, y = X.chunk(world_size)[rank], y.chunk(world_size)[rank]
                 last = step == steps - 1
                 with counting(traffic) if last else contextlib.nullcontext():

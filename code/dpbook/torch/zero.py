@@ -42,11 +42,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from .data import random_batch
 from .evaluate import max_abs_difference
 from .models import seeded
 
 __all__ = ["Traffic", "Shard", "reduce_scatter_mean", "all_gather", "ZeroOptimizer",
-           "ZeroModel", "held_bytes", "OPTIMIZERS", "batch", "stage_worker", "reference",
+           "ZeroModel", "held_bytes", "OPTIMIZERS", "stage_worker", "reference",
            "compare"]
 
 
@@ -474,13 +475,6 @@ OPTIMIZERS = {"adam": (torch.optim.Adam, {"lr": 1e-3}),
               "sgd-momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})}
 
 
-def batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The random minibatch of ``step`` (images, labels): the same in every process."""
-    g = torch.Generator().manual_seed(1000 + step)
-    return (torch.rand(batch_size, 1, 28, 28, generator=g),
-            torch.randint(0, 10, (batch_size,), generator=g))
-
-
 def _train(stage: int, optimizer: str, steps: int, batch_size: int, rank: int,
            world_size: int, compute_dtype: torch.dtype | None = None) -> dict:
     """``steps`` steps of LeNet at ``stage`` (0: DDP) on this rank's share of each batch;
@@ -522,7 +516,7 @@ def _train(stage: int, optimizer: str, steps: int, batch_size: int, rank: int,
                 traffic.reset()
             if counter is not None:
                 counter.bytes = counter.calls = 0
-        X, y = batch(step, batch_size)
+        X, y = random_batch(batch_size, seed=1000 + step)
         X, y = X.chunk(world_size)[rank], y.chunk(world_size)[rank]
         opt.zero_grad()
         F.cross_entropy(model(X), y).backward()
@@ -562,7 +556,7 @@ def reference(optimizer: str, steps: int, batch_size: int) -> dict[str, torch.Te
         model = lenet()
     opt = cls(model.parameters(), **kwargs)
     for step in range(steps):
-        X, y = batch(step, batch_size)
+        X, y = random_batch(batch_size, seed=1000 + step)
         opt.zero_grad()
         F.cross_entropy(model(X), y).backward()
         opt.step()
