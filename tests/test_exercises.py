@@ -613,3 +613,23 @@ def test_every_hint_a_check_names_is_in_hints_yml():
             for key in re.findall(r'"([\w-]+)"', call)}
     assert used and used <= set(exercises.HINTS), used - set(exercises.HINTS)
     assert set(exercises.HINTS) - {"exception"} <= used, set(exercises.HINTS) - used
+
+
+def looped_whole_array_ring(x, axis_name):
+    """The whole array passed on N - 1 times, in a lax.fori_loop: one collective-permute
+    in the program's text, run N - 1 times."""
+    n = jax.lax.axis_size(axis_name)
+    perm = [(j, (j + 1) % n) for j in range(n)]
+
+    def step(_, carry):
+        total, message = carry
+        message = jax.lax.ppermute(message, axis_name, perm)
+        return total + message, message
+
+    return jax.lax.fori_loop(0, n - 1, step, (x, x))[0]
+
+
+def test_ring_bytes_count_every_trip_of_a_loop():
+    failure = jax_exercises.check_ring_allreduce(looped_whole_array_ring, quiet=True)
+    assert failure is not None and failure.hint == "ring-bytes", failure
+    assert "sends 48 values of 24" in failure.seen    # 24 values, 2 trips, 3 devices

@@ -73,7 +73,7 @@ def check_ring_allreduce(fn: Callable[[jax.Array, str], jax.Array], quiet: bool 
     with a size that divides, each device may send at most 2 (N - 1) / N of its array
     (a ring's bandwidth; passing the whole array around N - 1 times sends N - 1 times
     it)."""
-    from .hlo import parse_collectives, type_bytes
+    from .hlo import executed_collectives, type_bytes
     devices = _check_devices()
     cases = [(f"{k} device(s), {size} value(s) per device", (k, size))
              for k in (1, 2, 3, 4, 8) if k <= len(devices) for size in (1, 5, 24)]
@@ -100,12 +100,12 @@ def check_ring_allreduce(fn: Callable[[jax.Array, str], jax.Array], quiet: bool 
             row = int(np.argmax(np.any(np.asarray(out) != expected, axis=1)))
             return Failure("ring-sum", f"device {row} holds {np.asarray(out)[row].tolist()}, "
                            f"the sum is {expected[row].tolist()}")
-        ops = parse_collectives(compiled.as_text())
-        others = sorted({kind for kind, _ in ops if kind != "collective-permute"})
+        ops = executed_collectives(compiled.as_text())    # a loop's body: × its trips
+        others = sorted({kind for kind, _, _ in ops if kind != "collective-permute"})
         if others:
             return Failure("ring-collective", f"the compiled program holds {others}")
         if k >= 3 and size % k == 0:
-            sent = sum(type_bytes(t) for kind, t in ops) // 4
+            sent = sum(type_bytes(t) * times for kind, t, times in ops) // 4
             want = 2 * (k - 1) * size // k
             if sent > want:
                 return Failure("ring-bytes", f"each device sends {sent} values of {size}; "

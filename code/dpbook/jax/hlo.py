@@ -26,7 +26,8 @@ from collections import Counter
 from typing import Callable, NamedTuple
 
 __all__ = ["COLLECTIVES", "compiled_text", "collectives", "allreduce_ops", "collective_ops",
-           "type_bytes", "schedule", "memory", "parse_collectives", "parse_schedule"]
+           "type_bytes", "schedule", "memory", "parse_collectives", "executed_collectives",
+           "parse_schedule"]
 
 #: The HLO names of the collective instructions.
 COLLECTIVES = ("all-reduce", "collective-permute", "all-gather", "reduce-scatter",
@@ -191,6 +192,19 @@ class _Async:
         return parts[1]
 
 
+def _collectives(computations: dict[str, list[_Instruction]]):
+    """``(computation, kind, result type)`` of every collective instruction."""
+    pairs = _Async(computations)
+    for name, body in computations.items():
+        if name and name in pairs.wrapped:        # counted at its async-start
+            continue
+        for i in body:
+            if i.opcode in COLLECTIVES:
+                yield name, i.opcode, _clean(i.type)
+            elif i.opcode.endswith("-start") and i in pairs.kind:
+                yield name, pairs.kind[i], _clean(pairs.result_type(i))
+
+
 def parse_collectives(text: str) -> list[tuple[str, str]]:
     """``(kind, result type)`` of every collective instruction in an HLO module's text.
 
@@ -198,17 +212,39 @@ def parse_collectives(text: str) -> list[tuple[str, str]]:
     ``all-gather-start`` the gathered array, not the ``(operand, result)`` tuple.
     """
     computations, _ = _module(text)
-    pairs = _Async(computations)
-    found = []
-    for name, body in computations.items():
-        if name and name in pairs.wrapped:        # counted at its async-start
-            continue
-        for i in body:
-            if i.opcode in COLLECTIVES:
-                found.append((i.opcode, _clean(i.type)))
-            elif i.opcode.endswith("-start") and i in pairs.kind:
-                found.append((pairs.kind[i], _clean(pairs.result_type(i))))
-    return found
+    return [(kind, result) for _, kind, result in _collectives(computations)]
+
+
+def _times(computations: dict[str, list[_Instruction]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per run of the entry: a ``while`` body as
+    many times as the trip count XLA knows (``known_trip_count``; once if it does not),
+    every other called computation as often as its caller."""
+    times: dict[str, int] = {}
+
+    def visit(name: str, n: int, depth: int = 0) -> None:
+        times[name] = times.get(name, 0) + n
+        if depth > 50:                             # no recursion in HLO; a guard anyway
+            return
+        for i in computations.get(name, []):
+            trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', i.attrs)
+            loop = int(trip[1]) if i.opcode == "while" and trip else 1
+            for key in ("body", "condition", "calls", "to_apply"):
+                called = i.attr(key)
+                if called in computations and called != name:
+                    visit(called, n * (loop if key == "body" else 1), depth + 1)
+
+    visit(entry, 1)
+    return times
+
+
+def executed_collectives(text: str) -> list[tuple[str, str, int]]:
+    """``(kind, result type, times)``: :func:`parse_collectives` with how many times each
+    instruction runs in one run of the module. A collective inside a ``lax.fori_loop``
+    of 3 steps is one instruction of the text, run 3 times."""
+    computations, entry = _module(text)
+    times = _times(computations, entry)
+    return [(kind, result, times.get(name, 1))
+            for name, kind, result in _collectives(computations)]
 
 
 def collectives(jitted: Callable, *args) -> list[tuple[str, str]]:
