@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from book import ROOT
 from dpbook import torch as dp
 from dpbook.torch import concise, ddp, ddp_check, dist
 
@@ -165,6 +167,59 @@ def test_torchrun_command_line(fashion_mnist_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[rank 0/2] epoch 1:" in result.stdout and "[rank 1/" not in result.stdout
     assert "hardware | " in result.stdout
+
+
+# --- The minimal DDP script, shown whole where the chapter's DDP part starts ---------
+
+MINIMAL = ROOT / "code/dpbook/torch/ddp_minimal.py"
+
+
+def test_minimal_ddp_script_is_short_and_shown_whole():
+    lines = MINIMAL.read_text(encoding="utf8").splitlines()
+    assert len(lines) <= 30, f"{len(lines)} lines: the page promises a short script"
+    assert max(map(len, lines)) <= 88
+    for lang in ("en", "zh"):
+        page = (ROOT / f"chapters/{lang}/concise/pytorch.md").read_text(encoding="utf8")
+        assert ("```{literalinclude} ../../../code/dpbook/torch/ddp_minimal.py\n```"
+                in page)                                   # the whole file, no :lines:
+        assert ("torchrun --standalone --nproc_per_node=2 -m dpbook.torch.ddp_minimal"
+                in page)                                   # the command line, shown
+
+
+def _run_minimal(nprocs: int, data_dir, **env) -> list[float]:
+    """Run the script with torchrun at the quick scale; return rank 0's losses."""
+    env = dict(os.environ, DPBOOK_DATA=str(data_dir), DPBOOK_SCALE="quick", **env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nprocs}", "-m", "dpbook.torch.ddp_minimal"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    # one line per epoch, from rank 0 alone: "epoch 1: loss 2.2876 (rank 0)"
+    epochs = [line.split(":")[0] for line in lines]
+    assert epochs == ["epoch 1", "epoch 2", "epoch 3"], lines
+    assert all(line.endswith("(rank 0)") for line in lines), lines
+    return [float(line.split()[3]) for line in lines]
+
+
+def _learns(losses: list[float]) -> bool:
+    falls = losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.05
+    return all(math.isfinite(v) for v in losses) and falls
+
+
+@pytest.mark.timeout(300)
+def test_minimal_ddp_script_trains_with_torchrun_on_cpus(fashion_mnist_dir):
+    """Two gloo processes on the CPU (GPUs hidden): rank 0 alone prints; the loss
+    falls."""
+    losses = _run_minimal(2, fashion_mnist_dir, CUDA_VISIBLE_DEVICES="")
+    assert _learns(losses), losses
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_minimal_ddp_script_trains_with_torchrun_on_gpus(fashion_mnist_dir):
+    """NCCL, one process per GPU (at most two), each on the GPU of its LOCAL_RANK."""
+    losses = _run_minimal(min(torch.cuda.device_count(), 2), fashion_mnist_dir)
+    assert _learns(losses), losses
 
 
 @pytest.mark.pins         # pins a framework's behaviour (see pytest.ini)
