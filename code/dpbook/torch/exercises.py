@@ -470,14 +470,15 @@ def check_atomic_save(fn: Callable[[dict, str], object], quiet: bool = False
 # ------------------------------------------------------------ ring allreduce, processes
 
 def _ring_worker(rank: int, nprocs: int, payload: bytes, worlds: Sequence[int],
-                 sizes: Sequence[int], timeout: float, out: str) -> None:
+                 sizes: Sequence[int], timeout: float, port: int) -> None:
     """One process of :func:`check_ring_allreduce`: for each world size w, the first w
-    processes form a gloo group (a fresh one, on a prefix of one shared store) and call the
-    reader's function on every size; the results go to ``out.<rank>`` (JSON). The groups
-    agree through the store whether to go on, so a failure or a deadlock stops everyone."""
+    processes form a gloo group (a fresh one, on a prefix of the store the checking
+    process serves on ``port``) and call the reader's function on every size. After each
+    world its results go to that store (``results/<rank>``, JSON), where they outlive a
+    later crash. The groups agree through the store whether to go on, so a failure or a
+    deadlock stops everyone."""
     import datetime
     import json
-    import os
     import traceback
     import cloudpickle
     from .allreduce import _rank_data
@@ -485,8 +486,7 @@ def _ring_worker(rank: int, nprocs: int, payload: bytes, worlds: Sequence[int],
     torch.set_num_threads(1)
     fn = cloudpickle.loads(payload)
     wait = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), nprocs,
-                          rank == 0, wait)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=wait)
     results = []
     for w in worlds:
         failed = False
@@ -523,13 +523,9 @@ def _ring_worker(rank: int, nprocs: int, payload: bytes, worlds: Sequence[int],
         for r in range(w):
             store.wait([f"done{w}/{r}"], datetime.timedelta(seconds=timeout * 3))
             verdicts.append(store.get(f"done{w}/{r}").decode())
-        with open(f"{out}.{rank}", "w") as f:           # after every world: a crash
-            json.dump(results, f)                       # later keeps what was seen
+        store.set(f"results/{rank}", json.dumps(results))   # after every world
         if "fail" in verdicts:
             break
-    store.set(f"exit/{rank}", "1")
-    if rank == 0:                       # rank 0 serves the store: it leaves last
-        store.wait([f"exit/{r}" for r in range(nprocs)], datetime.timedelta(seconds=60))
 
 
 @contextlib.contextmanager
@@ -567,9 +563,8 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], object], bidirectional: bo
     notebook: it reaches the processes by value (cloudpickle). A process that waits
     longer than ``timeout`` seconds for a message gives up, so a deadlock fails the check
     instead of hanging it; no process is left behind."""
+    import datetime
     import json
-    import os
-    import tempfile
     import cloudpickle
     from .dist import spawn
     worlds, sizes = (2, 3, 4), (1, 5, 64, 1200)
@@ -577,17 +572,18 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], object], bidirectional: bo
     results: dict = {}
 
     def launch():
-        with tempfile.TemporaryDirectory() as tmp, _forkserver() as method:
-            out = os.path.join(tmp, "out")
+        # this process serves the store: what the workers put there survives their crash
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout))
+        with _forkserver() as method:
             try:
                 spawn(_ring_worker, max(worlds), cloudpickle.dumps(fn), worlds, sizes,
-                      timeout, out, timeout=60 + 12 * timeout, start_method=method)
+                      timeout, store.port, timeout=60 + 12 * timeout, start_method=method)
             finally:                                    # read what was written, whatever
                 for rank in range(max(worlds)):
-                    if os.path.exists(f"{out}.{rank}"):
-                        with open(f"{out}.{rank}") as f:
-                            for r in json.load(f):
-                                results.setdefault((r["world"], r["size"]), {})[r["rank"]] = r
+                    if store.check([f"results/{rank}"]):
+                        for r in json.loads(store.get(f"results/{rank}")):
+                            results.setdefault((r["world"], r["size"]), {})[r["rank"]] = r
 
     def run_case(case):
         if not results:
