@@ -50,7 +50,7 @@ def data_parallel_step(path: Path) -> None:
     for y in (4.0, 1.2):
         arrow(ax, (7.7, y), (7.9, 3.0 if y > 2.6 else 2.2))
         arrow(ax, (8.4, 3.0 if y > 2.6 else 2.2), (8.8, y + (-0.4 if y > 2.6 else 0.4)))
-    fig.savefig(path, metadata={"Date": None})
+    save(fig, path)
 
 
 # Colours of the ZeRO figures: parameters, gradients, optimizer state (the ZeRO paper's).
@@ -314,8 +314,189 @@ def reading_paths(path: Path, lang: str) -> None:
         save(fig, path)
 
 
+# Shades of a chunk by how many ranks' values it sums: 1 (own) ... 4 (complete, N = 4).
+SUMS = {1: G_OWN, 2: "#fbb073", 3: "#f39444", 4: G_MEAN}
+
+
+def ring_allreduce(path: Path) -> None:
+    """The ring allreduce on 4 devices, one row per step: each device's 4 chunks, the number
+    in a chunk is how many devices' values it sums; arrows: the chunks sent in that step."""
+    n = 4
+    held = [[{r} for _ in range(n)] for r in range(n)]      # held[r][j]: who chunk j sums
+    states, sends = [[[len(c) for c in row] for row in held]], []
+    for phase in ("rs", "ag"):
+        for s in range(n - 1):
+            sent = [(r - s) % n if phase == "rs" else (r + 1 - s) % n for r in range(n)]
+            new = [[set(c) for c in row] for row in held]
+            for r, j in enumerate(sent):
+                dst = (r + 1) % n
+                new[dst][j] = held[dst][j] | held[r][j] if phase == "rs" else set(held[r][j])
+            held = new
+            sends.append(sent)
+            states.append([[len(c) for c in row] for row in held])
+    fig = Figure(figsize=(6.4, 5.95))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, 6.4)
+    ax.set_ylim(0.45, 6.4)
+    ax.axis("off")
+    x0, cell, piece, bar_h = 1.45, 1.25, 0.24, 0.34
+    for r in range(n):
+        ax.text(x0 + r * cell + 2 * piece, 6.15, f"dev {r}", ha="center", va="center",
+                fontsize=10, family="monospace", color="#555555")
+        for j in range(n):
+            ax.text(x0 + r * cell + (j + 0.5) * piece, 5.9, str(j), ha="center",
+                    va="center", fontsize=10, color="#888888")
+    tops = [5.45 - k * 0.78 for k in range(len(states))]
+    for k, (state, top) in enumerate(zip(states, tops)):
+        for r in range(n):
+            for j in range(n):
+                x = x0 + r * cell + j * piece
+                ax.add_patch(Rectangle((x, top - bar_h / 2), piece, bar_h,
+                                       fc=SUMS[state[r][j]], ec=EDGE, lw=0.8))
+                ax.text(x + piece / 2, top, str(state[r][j]), ha="center", va="center",
+                        fontsize=10, color="#ffffff" if state[r][j] == n else "#333333")
+        if k == 0:
+            ax.text(0.1, top, "start", va="center", fontsize=10, family="monospace")
+            continue
+        ax.text(1.2, top, str((k - 1) % (n - 1) + 1), va="center", ha="right", fontsize=10)
+        for r, j in enumerate(sends[k - 1]):                  # sent by r, received by r + 1
+            xa = x0 + r * cell + (j + 0.5) * piece
+            ya, yb = tops[k - 1] - bar_h / 2, top + bar_h / 2
+            if r < n - 1:
+                ax.add_patch(FancyArrowPatch((xa, ya), (xa + cell, yb), arrowstyle="-|>",
+                                             mutation_scale=9, color="#333333", lw=1.0,
+                                             shrinkA=1, shrinkB=1))
+            else:                                             # dev 3 -> dev 0: round the ring
+                ax.add_patch(FancyArrowPatch((xa, ya), (6.38, (ya + yb) / 2), arrowstyle="-",
+                                             color="#333333", lw=1.0, ls=(0, (2, 2))))
+                xb = x0 + (j + 0.5) * piece
+                ax.add_patch(FancyArrowPatch((x0 - 0.15, (ya + yb) / 2), (xb, yb),
+                                             arrowstyle="-|>", mutation_scale=9,
+                                             color="#333333", lw=1.0, ls=(0, (2, 2)),
+                                             shrinkA=0, shrinkB=1))
+    for name, rows in (("reduce-scatter", tops[1:4]), ("all-gather", tops[4:7])):
+        ax.plot([1.28, 1.28], [rows[0] + 0.2, rows[-1] - 0.2], color="#888888", lw=1)
+        ax.text(0.1, (rows[0] + rows[-1]) / 2, name.replace("-", "-\n"), va="center",
+                fontsize=10, family="monospace", weight="bold")
+    save(fig, path)
+
+
+def ddp_ladder(path: Path) -> None:
+    """The four hand-written wrappers of the inside-DDP chapter on two lanes each: when the
+    gradients are ready (backward) and when they are summed (allreduce)."""
+    fig = Figure(figsize=(6.4, 5.3))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, 6.4)
+    ax.set_ylim(0, 5.3)
+    ax.axis("off")
+    BW, AR = "#74c476", "#f4a6a6"
+    t0, grad = 1.5, 0.28                       # start of backward; one gradient's backward
+    ready = [t0 + (i + 1) * grad for i in range(8)]   # 8 gradients, last layer's first
+    end = ready[-1]
+    small, lat = 0.12, 0.2                     # one parameter's allreduce: bytes + latency
+    rows = [("(a) per-parameter", "after"), ("(b) flat", "flat"),
+            ("(c) overlap", "hooks"), ("(d) bucketed", "buckets")]
+    for k, (name, kind) in enumerate(rows):
+        top = 5.05 - k * 1.2
+        ax.text(0.1, top, name, va="center", fontsize=10, family="monospace", weight="bold")
+        yb, ya = top - 0.38, top - 0.78
+        ax.text(1.4, yb, "backward", ha="right", va="center", fontsize=10,
+                family="monospace", color="#555555")
+        ax.text(1.4, ya, "allreduce", ha="right", va="center", fontsize=10,
+                family="monospace", color="#555555")
+        for i in range(8):
+            ax.add_patch(Rectangle((t0 + i * grad + 0.01, yb - 0.14), grad - 0.02, 0.28,
+                                   fc=BW, ec=EDGE, lw=0.8))
+        if kind == "after":
+            blocks = [(end + i * (small + lat), small + lat) for i in range(8)]
+        elif kind == "flat":
+            blocks = [(end, 8 * small + lat)]
+        elif kind == "hooks":                  # launched when ready, queued behind the last
+            blocks = []
+            for r in ready:
+                blocks.append((max(r, blocks[-1][0] + blocks[-1][1]) if blocks else r,
+                               small + lat))
+        else:
+            blocks = [(ready[2], 3 * small + lat), (ready[5], 3 * small + lat),
+                      (ready[7], 2 * small + lat)]
+        for a, w in blocks:
+            ax.add_patch(Rectangle((a + 0.01, ya - 0.14), w - 0.02, 0.28, fc=AR, ec=EDGE,
+                                   lw=0.8))
+        if kind in ("hooks", "buckets"):
+            launched = ready if kind == "hooks" else [ready[2], ready[5], ready[7]]
+            for a in launched:
+                ax.add_patch(FancyArrowPatch((a, yb - 0.15), (a, ya + 0.15),
+                                             arrowstyle="-|>", mutation_scale=8,
+                                             color="#333333", lw=0.8, shrinkA=0, shrinkB=0))
+        done = max(a + w for a, w in blocks)
+        ax.plot([done, done], [yb + 0.2, ya - 0.2], color="#333333", lw=1.2, ls=":")
+    ax.add_patch(FancyArrowPatch((t0, 0.2), (6.3, 0.2), arrowstyle="-|>",
+                                 mutation_scale=12, color="#333333", lw=1.0))
+    ax.text(6.3, 0.35, "$t$", ha="right", va="center", fontsize=12)
+    save(fig, path)
+
+
+def multi_node(path: Path) -> None:
+    """2 nodes of 4 GPUs: each process's rank and local_rank, and what each holds after
+    the three phases of a hierarchical allreduce (slice g is local rank g's)."""
+    nodes, gpus = 2, 4
+    fig = Figure(figsize=(6.4, 4.6))
+    ax = fig.add_axes((0, 0, 1, 1))
+    ax.set_xlim(0, 6.4)
+    ax.set_ylim(0, 4.6)
+    ax.axis("off")
+    NODE = "#fbb073"
+    legend = [(G_OWN, "$\\mathbf{g}^{(r)}$"), (NODE, "$\\sum_{r \\in \\mathrm{node}}$"),
+              (G_MEAN, "$\\sum_{r}$")]
+    for i, (c, text) in enumerate(legend):
+        lx = 2.35 + i * 1.35
+        ax.add_patch(Rectangle((lx, 4.3), 0.3, 0.2, fc=c, ec=EDGE, lw=0.8))
+        ax.text(lx + 0.4, 4.4, text, va="center", fontsize=11)
+    phases = ["start", "1 reduce-\nscatter", "2 allreduce", "3 all-\ngather"]
+    x0, col, length, bar_h, row_h = 2.3, 1.03, 0.88, 0.2, 0.36
+    for p, name in enumerate(phases):
+        ax.text(x0 + p * col + length / 2, 3.92, name, ha="center", va="center",
+                fontsize=10, family="monospace", weight="bold", linespacing=1.0)
+
+    def colours(p, g):
+        if p == 0:
+            return [G_OWN] * gpus
+        if p == 1:
+            return [NODE if i == g else None for i in range(gpus)]
+        if p == 2:
+            return [G_MEAN if i == g else None for i in range(gpus)]
+        return [G_MEAN] * gpus
+
+    ys = {}
+    for node in range(nodes):
+        top = 3.55 - node * (gpus * row_h + 0.35)
+        ax.add_patch(FancyBboxPatch((0.08, top - gpus * row_h + 0.02), 6.24,
+                                    gpus * row_h - 0.04, boxstyle="round,pad=0.04",
+                                    fc="#f6f6f6", ec="#999999", lw=0.8, zorder=0))
+        ax.text(0.16, top - gpus * row_h / 2, f"node {node}", va="center", rotation=90,
+                fontsize=10, family="monospace", color="#555555")
+        for g in range(gpus):
+            y = top - (g + 0.5) * row_h
+            ys[node, g] = y
+            ax.text(0.42, y, f"rank {node * gpus + g}", va="center", fontsize=10,
+                    family="monospace")
+            ax.text(1.2, y, f"local_rank {g}", va="center", fontsize=10,
+                    family="monospace", color="#555555")
+            for p in range(len(phases)):
+                shard_bar(ax, x0 + p * col, y - bar_h / 2, length, bar_h, colours(p, g))
+    for g in range(gpus):                      # phase 2: slice g between the nodes
+        x = x0 + 2 * col + (g + 0.5) * length / gpus
+        ax.add_patch(FancyArrowPatch((x, ys[0, g] - bar_h / 2), (x, ys[1, g] + bar_h / 2),
+                                     arrowstyle="<|-|>", mutation_scale=7,
+                                     color="#333333", lw=0.9, shrinkA=0, shrinkB=0,
+                                     zorder=3))
+    save(fig, path)
+
+
 FIGURES = {"data-parallel-step.svg": data_parallel_step, "zero-memory.svg": zero_memory,
            "zero1-step.svg": zero1_step, "zero3-timeline.svg": zero3_timeline,
+           "ring-allreduce.svg": ring_allreduce, "ddp-ladder.svg": ddp_ladder,
+           "multi-node.svg": multi_node,
            "reading-paths.en.svg": lambda path: reading_paths(path, "en"),
            "reading-paths.zh.svg": lambda path: reading_paths(path, "zh")}
 
