@@ -35,8 +35,6 @@ ALLOWED = {
     ("concise/pytorch", "13.6"): "d2l-en release 1.0.3, section 13.6 (PyTorch)",
     ("inside-ddp/pytorch", "2.13"): "the torch release requirements.txt pins, whose "
                                     "reducer.cpp the list of what (d) leaves out describes",
-    ("concise/pytorch", "0.73"): "d2l-en 1.0.3's executed notebook of section 13.6, 2 GPUs",
-    ("concise/pytorch", "0.91"): "d2l-en 1.0.3's executed notebook of section 13.6, 1 GPU",
     ("multi-machine/pytorch", "25.6"): "ResNet-50's parameters (millions), torchvision",
     ("from-scratch/pytorch", "0.15"): "exercise 1: a learning rate to try",
     ("from-scratch/pytorch", "1.2"): "exercise 1: a learning rate to try",
