@@ -91,6 +91,18 @@ def test_notebooks_are_self_contained(lang):
     assert notebooks.WIDGET_TITLES["ring-replay"][lang] in allreduce   # the site's widget, named
 
 
+def test_literalinclude_cuts_and_dedents_as_sphinx():
+    """:pyobject:, :start-at:, :end-at: and :dedent: give the lines the site shows."""
+    page = ROOT / "chapters/en/inside-ddp/pytorch.md"
+    text = ("```{literalinclude} ../../../code/dpbook/torch/ddp_by_hand.py\n"
+            ":pyobject: compare_worker\n:start-at: for step in range(steps):\n"
+            ":end-at: optimizer.step()\n:dedent: 12\n```\n")
+    code = notebooks.convert_markdown(text, page, "en", {}).splitlines()[2:-1]
+    assert code[0].startswith("for step in range(steps):")
+    assert code[-1] == "    optimizer.step()"
+    assert all(line.startswith("    ") for line in code[1:] if line), code
+
+
 def test_install_cell_installs_only_dpbook():
     nb = nbformat.read(notebooks.OUT / "en" / "from-scratch" / "jax.ipynb", as_version=4)
     install = next(c for c in nb.cells if c.cell_type == "code").source

@@ -242,10 +242,14 @@ def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str],
             code = (pyobject_source(target, options["pyobject"]) if "pyobject" in options
                     else target.read_text(encoding="utf8").rstrip())
             if "start-at" in options:             # Sphinx's :start-at: and :end-at:
-                code = code[code.index(options["start-at"]):]
+                start = code.index(options["start-at"])
+                code = code[code.rfind("\n", 0, start) + 1:]   # from its line's start
             if "end-at" in options:
                 end = code.index(options["end-at"]) + len(options["end-at"])
                 code = code[:end] + code[end:].split("\n", 1)[0]
+            if "dedent" in options:                # Sphinx's :dedent: n
+                n = int(options["dedent"])
+                code = "\n".join(line[n:] for line in code.splitlines())
             rel = target.relative_to(ROOT).as_posix()
             return f"```python\n# {rel}\n{code}\n```"
         if name == "figure":
