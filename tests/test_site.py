@@ -138,6 +138,10 @@ def test_glossary_page_lists_every_term_in_both_editions(site):
         for t in terms:
             for word in (t["en"], t["zh"], t["def_" + lang]):
                 assert word in text, (lang, word)
+        # entries link to the page that introduces the term (most terms have one)
+        entries = text[text.index("dpbook-glossary"):text.index("</article>")]
+        links = re.findall(r'href="\.\./[\w\-/]+\.html[^"]*"', entries)
+        assert len(links) >= len(terms) * 3 // 4, (lang, len(links))
 
 
 def test_api_reference_lists_every_module():

@@ -175,6 +175,21 @@ def on_build_finished(app, exception):
         shutil.copyfile(generated, path)
 
 
+def introduced_in(terms: list[dict], lang: str) -> dict[str, str]:
+    """English term → the page of ``lang`` that introduces it: the first page, in reading
+    order, where the Chinese edition glosses the term with its English name in
+    parentheses (术语（English）), as it does at a term's first use in a chapter."""
+    pages = [e for e in notebooks.toc_entries("zh") if "/appendix/" not in e]
+    texts = {e: (notebooks.ROOT / f"{e}.md").read_text(encoding="utf8") for e in pages}
+    found = {}
+    for t in terms:
+        gloss = re.compile(re.escape(t["zh"]) + r"[（(]" + re.escape(t["en"]), re.I)
+        page = next((e for e in pages if gloss.search(texts[e])), None)
+        if page is not None:
+            found[t["en"]] = page.replace("chapters/zh/", f"chapters/{lang}/", 1)
+    return found
+
+
 class GlossaryDirective(SphinxDirective):
     """``dpbook-glossary``: every term of ``glossary.yml`` as a Sphinx glossary, sorted by
     the English term; each entry names the term in both languages."""
@@ -185,13 +200,18 @@ class GlossaryDirective(SphinxDirective):
         path = Path(self.env.srcdir) / "glossary.yml"
         self.env.note_dependency(str(path))
         terms = yaml.safe_load(path.read_text(encoding="utf8"))
-        zh = edition(self.env.app) == "zh"
+        lang = edition(self.env.app)
+        zh = lang == "zh"
+        where = introduced_in(terms, lang)
+        see = {"en": " Introduced in ", "zh": "见"}[lang]      # no space in Chinese
         # MyST source for Sphinx's glossary directive: terms at the left, definitions
         # indented. The page is Markdown, so nested content is parsed as MyST.
         lines = ["```{glossary}"]
         for t in sorted(terms, key=lambda t: t["en"].lower()):
             first, second = (t["zh"], t["en"]) if zh else (t["en"], t["zh"])
-            lines += [first, second, f"   {t['def_zh'] if zh else t['def_en']}", ""]
+            link = (f"{see}{{doc}}`/{where[t['en']]}`" + ("。" if zh else ".")
+                    if t["en"] in where else "")
+            lines += [first, second, f"   {t['def_zh'] if zh else t['def_en']}{link}", ""]
         lines.append("```")
         container = nodes.container(classes=["dpbook-glossary"])
         self.state.nested_parse(StringList(lines, source=str(path)), self.content_offset,
