@@ -22,7 +22,6 @@ CHECKED = ["devices", "from-scratch", "concise", "inside-ddp", "sharded", "commu
 # (page, number) -> where it comes from. Keep it short: a number from a run is glued.
 ALLOWED = {
     ("communication/allreduce", "2.4"): "NCCL release 2.4 introduced its double binary trees",
-    ("communication/allreduce", "0.8"): "the speed bar of tests/test_comm_torch.py",
     ("communication/allreduce", "25.6"): "ResNet-50's parameters (millions), torchvision",
     ("communication/allreduce", "44.5"): "ResNet-101's parameters (millions), torchvision",
     ("communication/compression", "3.5"): "(0.1 - 0.03) / 0.02 standard deviations, from "
