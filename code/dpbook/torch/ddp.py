@@ -300,6 +300,11 @@ def main(argv: list[str] | None = None) -> None:
         results = train_worker(rank, world_size, cfg, local_rank)
         if rank == 0:
             _write_results(cfg, results)
+        # as dist._run_child: skip the interpreter's teardown, where a gloo thread can
+        # abort the process after a good run (torch 2.14; pytorch/pytorch#179291)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     else:
         spawn_train(nprocs or 1, cfg)
 

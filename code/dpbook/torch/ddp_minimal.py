@@ -1,16 +1,14 @@
 """Minimal DDP: torchrun --standalone --nproc_per_node=2 -m dpbook.torch.ddp_minimal"""
+import gc
 import torch
 from torch import distributed as dist, nn
 from torch.utils.data import DataLoader, DistributedSampler
 from dpbook.torch import data, get_scale, lenet
-
 if __name__ == '__main__':                      # torchrun starts this in every process
     cuda = torch.cuda.is_available()            # then NCCL, and GPU number LOCAL_RANK
     device = torch.device(f'cuda:{dist.get_node_local_rank()}' if cuda else 'cpu')
-    if cuda:
-        torch.cuda.set_device(device)
+    if cuda: torch.cuda.set_device(device)     # NCCL works on the current GPU
     dist.init_process_group('nccl' if cuda else 'gloo')  # reads RANK, WORLD_SIZE
-    torch.manual_seed(0)                        # the same run every time
     net = nn.parallel.DistributedDataParallel(lenet().to(device))  # copies rank 0's
     train, _ = data.fashion_mnist_datasets(get_scale().num_train, normalize=True)
     sampler = DistributedSampler(train)         # a different part for every rank
@@ -27,4 +25,6 @@ if __name__ == '__main__':                      # torchrun starts this in every 
             total += loss.item()
         if dist.get_rank() == 0:                # one process prints for all
             print(f'epoch {epoch + 1}: loss {total / len(train_iter):.4f} (rank 0)')
+    del net                                     # free DDP before its group: with
+    gc.collect()                                # gloo, torch 2.14 can abort later
     dist.destroy_process_group()
