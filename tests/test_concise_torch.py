@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -141,6 +142,35 @@ def _failer(rank, world_size):
     if rank == 1:
         raise RuntimeError("worker 1 fails on purpose")
     time.sleep(60)
+
+
+def _two_groups(rank, world_size):
+    sums = []
+    for _ in range(2):                       # join, leave, join again: keys must not clash
+        with dist.process_group(rank, world_size):
+            x = torch.tensor([rank + 1.0])
+            torch.distributed.all_reduce(x)
+            sums.append(x.item())
+    return sums, os.environ["MASTER_PORT"]
+
+
+@pytest.mark.timeout(120)
+def test_spawn_hosts_the_rendezvous_on_a_bound_port():
+    """The parent binds the store's port before a child starts: nothing can take it in
+    between (CI once lost a port picked early to another test's connection)."""
+    ports = []
+    real = torch.distributed.TCPStore
+
+    def recording(*args, **kwargs):
+        store = real(*args, **kwargs)
+        ports.append(store.port)
+        return store
+
+    with mock.patch.object(torch.distributed, "TCPStore", recording):
+        sums, port = dist.run(_two_groups, 2, on="cpu", timeout=60, verbose=False)
+    assert sums == [3.0, 3.0]
+    assert ports and int(port) == ports[0] != 0
+    assert "MASTER_PORT" not in os.environ or os.environ["MASTER_PORT"] != port
 
 
 @pytest.mark.timeout(120)

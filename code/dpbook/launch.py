@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,10 +43,28 @@ class LaunchError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now (for a rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nobody listens on right now, for a rendezvous that
+    another program binds later (torchrun's, JAX's coordinator).
+
+    Taken at random below the system's ephemeral range (Linux: ``ip_local_port_range``),
+    where the outgoing connections of other programs never land: a port from inside
+    that range can be taken by one of them before the rendezvous binds it.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    pool = range(max(1024, low - 10_000), low)
+    tries = random.SystemRandom().sample(pool, min(len(pool), 64))  # not the seeded RNG
+    for port in [*tries, 0]:                     # 0: any port the system picks
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

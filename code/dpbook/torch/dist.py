@@ -50,6 +50,10 @@ __all__ = ["free_port", "Placement", "placement", "launcher_placement", "spawn",
 #: else the CPU) or ``"cpu"`` (the demo is about CPU processes, or moves CPU tensors).
 ON = ("auto", "cpu")
 
+#: Set (to the port) for the children of :func:`spawn`: the parent hosts the store there.
+_HOSTED = "DPBOOK_HOSTED_STORE_PORT"
+_GROUPS = 0                      # process groups this process has joined through a store
+
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
@@ -130,8 +134,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300,
           start_method: str = "spawn") -> None:
     """Run ``fn(rank, nprocs, *args)`` in ``nprocs`` new processes and wait for all of them.
 
-    Picks a free port for the rendezvous on 127.0.0.1 (``MASTER_ADDR``/``MASTER_PORT``,
-    inherited by the children only). Raises the first child's error, or ``TimeoutError``
+    This process hosts the rendezvous: a ``TCPStore`` on 127.0.0.1 and a port the system
+    picks while binding it, so no other program can take the port between the choice and
+    the bind (as it can with a port picked first and bound later by rank 0). The children
+    find it in ``MASTER_ADDR``/``MASTER_PORT`` (set for them only) and join it as clients
+    (:func:`init_process`). Raises the first child's error, or ``TimeoutError``
     after ``timeout`` seconds; either way no child is left running. ``start_method`` is
     multiprocessing's: ``spawn`` starts fresh interpreters (each imports torch anew),
     ``forkserver`` forks them from a server that imported what
@@ -139,8 +146,11 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300,
     """
     if nprocs < 1:
         raise ValueError(f"need at least one process, got {nprocs}")
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False)          # port 0: the system picks one
+    port = str(store.port)
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", _HOSTED)}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **{_HOSTED: port})
     try:
         context = mp.start_processes(fn, args=(nprocs, *args), nprocs=nprocs, join=False,
                                      start_method=start_method)
@@ -160,6 +170,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300,
             if p.is_alive():
                 p.kill()
             p.join()
+        del store
 
 
 # Set in a child of `run` (the parent decided where every rank goes); read by init_process.
@@ -231,8 +242,9 @@ def init_process(rank: int, world_size: int, local_rank: int | None = None,
     timeout = datetime.timedelta(seconds=timeout)
     # device_id binds NCCL to this rank's GPU at once (without it NCCL warns once per
     # rank that it does not know the device, and connects at the first collective)
+    store = _attempt_store(rank, world_size, timeout) or _hosted_store(timeout)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                            store=_attempt_store(rank, world_size, timeout),
+                            store=store,
                             device_id=device if device.type == "cuda" else None)
     return device
 
@@ -292,6 +304,18 @@ def slowest_seconds(fn: Callable[[], Any], device: torch.device | None = None) -
     took = torch.tensor([time.perf_counter() - tik], dtype=torch.float64)  # gloo's part
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return took.item()
+
+
+def _hosted_store(timeout: datetime.timedelta):
+    """In a child of :func:`spawn`, a client of the store its parent hosts, with keys
+    private to this group (a worker may join and leave more than one); else ``None``."""
+    global _GROUPS
+    port = os.environ.get("MASTER_PORT")
+    if port is None or os.environ.get(_HOSTED) != port:
+        return None
+    _GROUPS += 1
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), None, False, timeout)
+    return dist.PrefixStore(f"dpbook/group-{_GROUPS}", store)
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
