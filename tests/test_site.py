@@ -197,3 +197,49 @@ def test_the_api_page_shows_data_by_name_not_by_value(site):
     page = _page(site, "en", "chapters/en/appendix/api")
     assert 'id="dpbook.exercises.HINTS"' in page
     assert html.escape(HINTS["exception"]["en"], quote=False) not in page
+
+
+_CJK = "\u3000-\u303f\u4e00-\u9fff\uff00-\uffef"
+_CJK_SPACE = re.compile(f"[{_CJK}]\\s+[{_CJK}]")
+_BLOCK = re.compile(r"<(p|li|h[1-6]|dt|dd|figcaption)\b[^>]*>(.*?)</\1>", re.S)
+
+
+def _running_text(page: str) -> list[str]:
+    """The text of the page's paragraphs, list items, headings and captions, outside code."""
+    page = re.sub(r"<(script|style|pre)\b.*?</\1>", "", page, flags=re.S)
+    page = re.sub(r'<span class="math[^"]*">.*?</span>', "x", page, flags=re.S)
+    return [html.unescape(re.sub(r"<[^>]+>", "", m.group(2))) for m in _BLOCK.finditer(page)]
+
+
+def test_chinese_paragraphs_have_no_space_between_two_cjk_characters(site):
+    """A line break inside a Chinese paragraph would render as a space ("数据。 这就是");
+    tools/dpbook_site.py removes those at build time (join_cjk_lines)."""
+    found = []
+    for entry in toc_files("zh"):
+        for text in _running_text(_page(site, "zh", entry)):
+            found += [(entry, text[max(0, m.start() - 8): m.end() + 8])
+                      for m in _CJK_SPACE.finditer(text)]
+    assert not found, found[:10]
+    assert _CJK_SPACE.search("数据。 这就是")           # the check can fail
+
+
+@pytest.mark.parametrize("chapter", ["devices", "from-scratch", "concise"])
+def test_pages_link_to_their_twin_in_the_other_framework(site, chapter):
+    for lang in ("en", "zh"):
+        for name, twin, label in (("pytorch", "jax", "JAX"), ("jax", "pytorch", "PyTorch")):
+            page = _page(site, lang, f"chapters/{lang}/{chapter}/{name}")
+            link = re.search(r'<a class="dpbook-twin" href="([^"]+)">([^<]+)</a>', page)
+            assert link and link.group(1) == f"{twin}.html" and label in link.group(2)
+
+
+def test_chapters_sections_and_figures_are_numbered(site):
+    """Numbered as d2l numbers them: chapter 2, section 2.1, figure 6.1 (the tocs'
+    `numbered`, Sphinx's numfig); a Chinese cross-reference then reads 2.1节."""
+    en = _page(site, "en", "chapters/en/from-scratch/pytorch")
+    assert re.search(r'<h1><span class="section-number">2\.1\. </span>', en)
+    home = _page(site, "en", "chapters/en/index")
+    assert re.search(r'href="devices/index\.html">1\. Devices<', home)
+    zh = _page(site, "zh", "chapters/zh/sharded/zero")
+    assert re.search(r'<span class="caption-number">图\d+\.1 </span>', zh)
+    en_fig = _page(site, "en", "chapters/en/sharded/zero")
+    assert re.search(r'<span class="caption-number">Fig\. \d+\.1 </span>', en_fig)

@@ -43,12 +43,14 @@ TEXT = {
            "download": "Download .ipynb",
            "provenance": "Outputs: scale <b>{scale}</b>, run on {date} in {seconds:.0f} s, "
                          "on {hardware}; {versions}",
-           "no_provenance": "The outputs on this page have no run record."},
+           "no_provenance": "The outputs on this page have no run record.",
+           "twin": "The {framework} version of this page"},
     "zh": {"other": "English edition", "other_title": "Read this page in English",
            "colab": "在Colab中打开", "download": "下载 .ipynb",
            "provenance": "本页输出：规模<b>{scale}</b>，{date}运行，用时{seconds:.0f}秒；"
                          "硬件：{hardware}；{versions}",
-           "no_provenance": "本页的输出没有运行记录。"},
+           "no_provenance": "本页的输出没有运行记录。",
+           "twin": "本页的{framework}版"},
 }
 OTHER = {"en": "zh", "zh": "en"}
 
@@ -64,6 +66,18 @@ def other_page(pagename: str, lang: str) -> str:
     if lang == "en":
         return f"{up}zh/{other}.html"
     return f"{up}../{other}.html"
+
+
+#: A page named for a framework has a twin in the other one, in the same chapter folder.
+FRAMEWORKS = {"pytorch": "JAX", "jax": "PyTorch"}
+
+
+def twin_page(pagename: str, pages) -> str | None:
+    """The same lesson in the other framework (``devices/pytorch`` ↔ ``devices/jax``) when
+    the chapter has both, else ``None``."""
+    folder, _, name = pagename.rpartition("/")
+    other = {"pytorch": "jax", "jax": "pytorch"}.get(name)
+    return f"{folder}/{other}" if other and f"{folder}/{other}" in pages else None
 
 
 def machine(hw: dict | None, lang: str) -> str | None:
@@ -110,6 +124,11 @@ def page_bar(app, pagename: str) -> str:
         links.append(f'<a class="dpbook-download" href="{up}{ipynb}" download>'
                      f'{text["download"]}</a>')
         extra = provenance(app, pagename)
+        twin = twin_page(pagename, app.env.dpbook_notebooks)
+        if twin:
+            name = pagename.rpartition("/")[2]
+            links.append(f'<a class="dpbook-twin" href="{twin.rpartition("/")[2]}.html">'
+                         f'{text["twin"].format(framework=FRAMEWORKS[name])}</a>')
     return f'<div class="dpbook-bar">{" · ".join(links)}</div>{extra}'
 
 
@@ -134,6 +153,56 @@ def on_page_context(app, pagename, templatename, context, doctree):
                            else bar + body)
 
 
+CJK = "\u3000-\u303f\u4e00-\u9fff\uff00-\uffef"     # ideographs, CJK and full-width punctuation
+_CJK_GAP = re.compile(f"(?<=[{CJK}])\\s+(?=[{CJK}])")
+
+
+def join_cjk_lines(app, doctree, docname):
+    """A line break (or a space) between two CJK characters of running text renders as a
+    space in HTML ("数据。 这就是"); Chinese has none. Remove it from every text node of
+    the Chinese edition outside code and math, also across inline markup
+    (``**小结。** 这一节`` ends one node with 。 and starts the next with a space)."""
+    if edition(app) != "zh":
+        return
+    skip = (nodes.literal, nodes.literal_block, nodes.math, nodes.math_block, nodes.raw,
+            nodes.comment)
+    texts = [t for t in doctree.findall(nodes.Text)
+             if not any(isinstance(a, skip) for a in _ancestors(t))]
+    blocks = [_block(t) for t in texts]
+    strings = [_CJK_GAP.sub("", str(t)) for t in texts]
+    ends_cjk = lambda x: re.search(f"[{CJK}]$", x) is not None
+    starts_cjk = lambda x: re.match(f"[{CJK}]", x) is not None
+    for i in range(1, len(texts)):
+        if blocks[i] is None or blocks[i] is not blocks[i - 1]:
+            continue
+        here = strings[i]
+        if not here.strip():              # a line break on its own (MyST's soft break)
+            nxt = strings[i + 1] if i + 1 < len(texts) and blocks[i + 1] is blocks[i] else ""
+            if ends_cjk(strings[i - 1]) and starts_cjk(nxt):
+                strings[i] = ""
+        elif ends_cjk(strings[i - 1].rstrip()) and starts_cjk(here.lstrip()):
+            if here[:1].isspace():
+                strings[i] = here.lstrip()
+            elif strings[i - 1][-1:].isspace():
+                strings[i - 1] = strings[i - 1].rstrip()
+    for text, new in zip(texts, strings):
+        if new != str(text):
+            text.parent.replace(text, nodes.Text(new))
+
+
+def _ancestors(node):
+    while node.parent is not None:
+        node = node.parent
+        yield node
+
+
+def _block(text):
+    """The paragraph (or title, caption, term) a text node belongs to, if any."""
+    return next((p for p in _ancestors(text)
+                 if isinstance(p, (nodes.paragraph, nodes.title, nodes.caption,
+                                   nodes.term))), None)
+
+
 def search_dictionary(root: Path, out: Path) -> Path:
     """A jieba user dictionary of the book's Chinese terms (``glossary.yml``), so that the
     Chinese search index keeps 全归约 or 梯度累加 whole instead of cutting them into 全 +
@@ -147,7 +216,31 @@ def search_dictionary(root: Path, out: Path) -> Path:
     return out
 
 
+MATHJAX = "mathjax/tex-mml-chtml.js"      # the file Sphinx loads from jsDelivr by default
+
+
+def mathjax_files(out: Path) -> Path:
+    """MathJax 3 for the site, so that formulas render offline and wherever jsDelivr is
+    slow or blocked: its TeX/MathML-to-HTML bundle and that output's web fonts, copied from
+    the pinned ``django-static-mathjax`` wheel (requirements.txt; no Django needed) into
+    ``out/mathjax/``. Returns ``out``, a folder for ``html_static_path``."""
+    import importlib.util
+    spec = importlib.util.find_spec("mathjax")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("MathJax's files are missing: pip install -r requirements.txt "
+                           "(django-static-mathjax)")
+    es5 = Path(spec.submodule_search_locations[0]) / "static" / "mathjax" / "es5"
+    fonts = Path("output") / "chtml" / "fonts" / "woff-v2"
+    (out / "mathjax" / fonts).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(es5 / Path(MATHJAX).name, out / MATHJAX)
+    for font in (es5 / fonts).glob("*.woff"):
+        shutil.copyfile(font, out / "mathjax" / fonts / font.name)
+    return out
+
+
 def on_config_inited(app, config):
+    config.html_static_path.append(str(mathjax_files(Path(app.doctreedir) / "dpbook-static")))
+    config.mathjax_path = MATHJAX
     if edition(app) == "zh":
         out = Path(app.doctreedir) / "jieba-glossary.txt"
         path = search_dictionary(Path(app.srcdir), out)
@@ -311,6 +404,7 @@ def setup(app):
     app.connect("config-inited", on_config_inited)
     app.connect("builder-inited", on_builder_inited)
     app.connect("html-page-context", on_page_context)
+    app.connect("doctree-resolved", join_cjk_lines)
     app.connect("build-finished", on_build_finished)
     app.add_directive("dpbook-glossary", GlossaryDirective)
     app.add_directive("dpbook-widget", WidgetDirective)

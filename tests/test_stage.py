@@ -1,0 +1,66 @@
+"""What the reader sees of a notebook page (issue 30): the code that teaches, in a column
+that does not scroll sideways, and not the machinery behind the guarantees.
+
+Cells that only feed the page (glue, widget data) or guard the stored run are tagged
+``remove-cell``: they still run, and the notebook still fails when a claim stops holding,
+but the site does not show them. The built pages are checked in ``test_site.py``.
+"""
+from __future__ import annotations
+
+import re
+import unicodedata
+
+import jupytext
+import pytest
+
+from book import ROOT, notebooks
+
+#: A code cell's lines fit this many columns: what the site's code column holds at
+#: 1280 px (tools/static/dpbook-site.css sizes the code font for it).
+WIDTH = 80
+HIDDEN = {"remove-cell", "remove-input"}
+PAGES = notebooks("en") + notebooks("zh")
+
+
+def columns(line: str) -> int:
+    """Width in a monospace column: CJK characters take two."""
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in line)
+
+
+def visible_code(path) -> list[tuple[int, str]]:
+    """(cell number, source) of the code cells the site shows."""
+    cells = [c for c in jupytext.read(path).cells if c.cell_type == "code"]
+    return [(i, c.source) for i, c in enumerate(cells)
+            if not HIDDEN & set(c.metadata.get("tags", []))]
+
+
+def _id(path):
+    return str(path.relative_to(ROOT / "chapters"))
+
+
+def test_columns_counts_cjk_as_two():
+    assert columns("ab") == 2 and columns("全归约") == 6 and columns("# 全x") == 5
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_id)
+def test_no_glue_in_view(path):
+    """glue() feeds the prose; the reader sees the number in the sentence, not the call."""
+    shown = [(i, line) for i, src in visible_code(path) for line in src.splitlines()
+             if re.match(r"\s*glue\(", line)]
+    assert not shown, f"glue in visible cells (move it to a remove-cell cell): {shown}"
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_id)
+def test_code_fits_the_column(path):
+    long = [(i, columns(line), line) for i, src in visible_code(path)
+            for line in src.splitlines() if columns(line) > WIDTH]
+    assert not long, f"lines over {WIDTH} columns: {long}"
+
+
+@pytest.mark.parametrize("path", PAGES, ids=_id)
+def test_the_hardware_line_is_printed_in_view_once(path):
+    """The header prints it; a later cell shows it only where its point is where it ran
+    (then it is printed by the demo, not by a print of the page's own)."""
+    cells = [i for i, src in visible_code(path) if "hardware_line(" in src
+             and re.search(r"print\([^)]*hardware", src)]
+    assert len(cells) <= 1, f"cells printing the hardware line: {cells}"
