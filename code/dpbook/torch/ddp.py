@@ -164,15 +164,18 @@ def train_worker(rank: int, world_size: int, cfg: Config, local_rank: int | None
         for epoch in range(start_epoch, _epochs(cfg)):
             crash_if_asked(cfg, rank, epoch)
             sampler.set_epoch(epoch)              # a new shuffle, the same on every process
-            loss, examples, seconds, _ = train_epoch(net, optimizer, train_iter, device,
-                                                     cfg.max_steps)
+            loss, examples, seconds, steps = train_epoch(net, optimizer, train_iter,
+                                                         device, cfg.max_steps)
             for buffer in net.module.buffers():   # BatchNorm running stats: take rank 0's
                 dist.broadcast(buffer, src=0)
             test_acc = _evaluate(net.module, test, rank, world_size, device, share)
             history.append({"epoch": epoch + 1, "train_loss": loss, "test_acc": test_acc,
                             "seconds": seconds, "examples_per_sec": examples / seconds,
                             "bytes_sent": sent.bytes})
-            _log(rank, world_size, f"epoch {epoch + 1}: loss {loss:.3f}, test acc "
+            # a launch check of a few steps says so: its accuracy is about chance (0.1)
+            cut = (f", first {steps} of {len(train_iter)} steps (--max-steps)"
+                   if steps < len(train_iter) else "")
+            _log(rank, world_size, f"epoch {epoch + 1}{cut}: loss {loss:.3f}, test acc "
                  f"{test_acc:.3f}, {seconds:.1f} s, {examples / seconds:.0f} examples/s")
             if rank == 0 and cfg.checkpoint:      # one writer; others would race on the file
                 save_checkpoint(cfg.checkpoint, net.module, optimizer, epoch + 1, cfg)
