@@ -242,6 +242,47 @@ def test_training_animator_draws_loss_and_accuracy(tmp_path):
     assert (tmp_path / "curve.png").is_file()
 
 
+def test_training_curves_of_different_runs_share_one_y_range():
+    """Runs that a page compares are drawn on the same scale, whatever their values."""
+    low, high = (dpbook.plot.training_animator(4) for _ in range(2))
+    low.path = high.path = None                 # nothing to write
+    for epoch in (1, 2, 3, 4):
+        low.add(epoch, (0.3 / epoch, 0.9))
+        high.add(epoch, (2.2 / epoch, 0.2))
+    assert low.axes.get_ylim() == high.axes.get_ylim() == dpbook.plot.TRAINING_YLIM
+    assert dpbook.plot.TRAINING_YLIM == (0.0, 2.5)   # holds ln 10 = 2.30, chance's loss
+    assert list(low.axes.get_xticks()) == [1, 2, 3, 4]          # whole epochs
+    other = dpbook.plot.training_animator(2, ylim=(0, 1))
+    other.path = None
+    other.add(1, (0.5, 0.6))
+    assert other.axes.get_ylim() == (0, 1)
+
+
+def test_a_point_above_the_fixed_y_range_is_marked_on_its_top_edge():
+    animator = dpbook.plot.training_animator(2)
+    animator.path = None
+    animator.add(1, (3.1, 0.1))                 # a loss above the range: not invisible
+    marks = [line for line in animator.axes.get_lines() if line.get_marker() == "^"]
+    assert len(marks) == 1 and list(marks[0].get_ydata()) == [2.5]
+    assert marks[0].get_color() == animator.axes.get_lines()[0].get_color()
+    legend = animator.axes.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["train loss", "test acc"]
+    assert animator.series()["train loss"] == ([1.0], [3.1])    # the data stay as they are
+
+
+def test_animator_xticks_at_the_values_measured_labelled_plainly():
+    """A log axis with a few sizes: one plain label per size, no minor-tick labels."""
+    sizes = [128, 256, 512, 1024]
+    animator = dpbook.Animator(xscale="log", xticks=sizes, path=False, live=False)
+    animator.add(sizes[0], 1.0)                 # the axis spans every size from the start
+    ax = animator.axes
+    animator.fig.canvas.draw()
+    assert list(ax.get_xticks()) == sizes
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["128", "256", "512", "1024"]
+    assert len(ax.get_xticks(minor=True)) == 0
+    assert ax.get_xlim()[0] < 128 and ax.get_xlim()[1] > 1024
+
+
 def test_cosine_lr_decays_from_lr_to_nearly_zero():
     lrs = [dpbook.cosine_lr(0.3, step, 100) for step in range(100)]
     assert lrs[0] == 0.3

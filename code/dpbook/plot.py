@@ -20,10 +20,11 @@ from typing import Sequence
 
 from matplotlib import rc_context
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullLocator
 
 from .tools import atomic_write
 
-__all__ = ["Animator", "in_notebook", "training_animator"]
+__all__ = ["Animator", "in_notebook", "training_animator", "TRAINING_YLIM"]
 
 _counter = itertools.count(1)
 
@@ -50,6 +51,12 @@ class Animator:
     ``path`` (default: ``$DPBOOK_FIGURES`` or the current folder, ``animator-<k>.png``);
     the suffix picks the format (``.png``, ``.svg``, ``.pdf``). ``path=False`` keeps the
     points in memory only; ``live`` forces the notebook display on or off.
+
+    ``xticks`` puts the x ticks at the given values, labelled plainly (``128``, not
+    ``1.28×10²``), with no minor ticks: on a log axis with a few values (the sizes
+    measured, say), matplotlib's own minor-tick labels would run into each other.
+    Figures that are compared should be given the same ``ylim``; a point above it is
+    drawn as a triangle on the top edge, so that it does not silently vanish.
     """
 
     def __init__(self, xlabel: str | None = None, ylabel: str | None = None,
@@ -57,11 +64,13 @@ class Animator:
                  xscale: str = "linear", yscale: str = "linear",
                  fmts: Sequence[str] = ("-", "m--", "g-.", "r:", "b-", "c--", "y-.", "k:"),
                  figsize=(4.0, 2.8), title: str | None = None,
-                 path: str | os.PathLike | bool | None = None, live: bool | None = None):
+                 path: str | os.PathLike | bool | None = None, live: bool | None = None,
+                 xticks: Sequence[float] | None = None):
         self.legend = list(legend) if legend else []
         self.fmts = list(fmts)
         self.config = dict(xlabel=xlabel, ylabel=ylabel, xlim=xlim, ylim=ylim,
-                           xscale=xscale, yscale=yscale, title=title)
+                           xscale=xscale, yscale=yscale, title=title,
+                           xticks=None if xticks is None else [float(v) for v in xticks])
         self.X: list[list[float]] = []
         self.Y: list[list[float]] = []
         self.fig = Figure(figsize=figsize, layout="constrained")
@@ -98,19 +107,29 @@ class Animator:
         """Redraw the figure, then show it (notebook) or write it (everywhere else)."""
         ax, c = self.axes, self.config
         ax.cla()
-        for xs, ys, fmt in zip(self.X, self.Y, itertools.cycle(self.fmts)):
-            ax.plot(xs, ys, fmt)
+        lines = [ax.plot(xs, ys, fmt, **({"marker": "o"} if len(xs) == 1 else {}))[0]
+                 for xs, ys, fmt in zip(self.X, self.Y, itertools.cycle(self.fmts))]
+        top = c["ylim"][1] if c["ylim"] and c["ylim"][0] != c["ylim"][1] else None
+        for line, xs, ys in zip(lines, self.X, self.Y):     # above a fixed y range:
+            above = [x for x, y in zip(xs, ys) if top is not None and y > top]
+            if above:                                       # a triangle on the top edge
+                ax.plot(above, [top] * len(above), "^", color=line.get_color(),
+                        clip_on=False)
         ax.set_xlabel(c["xlabel"] or "")
         ax.set_ylabel(c["ylabel"] or "")
-        ax.set_xscale(c["xscale"])
+        ax.set_xscale(c["xscale"])       # (resets the tick locators: set ticks after it)
         ax.set_yscale(c["yscale"])
+        if c["xticks"] is not None:
+            ax.set_xticks(c["xticks"], [_plain(v) for v in c["xticks"]])
+            ax.xaxis.set_minor_locator(NullLocator())
         for lim, setter in ((c["xlim"], ax.set_xlim), (c["ylim"], ax.set_ylim)):
             if lim and lim[0] != lim[1]:     # a one-epoch run has xlim [1, 1]: let it be
                 setter(lim)
         if c["title"]:
             ax.set_title(c["title"])
         if self.legend:
-            ax.legend(self.legend)
+            n = min(len(lines), len(self.legend))
+            ax.legend(lines[:n], self.legend[:n])
         ax.grid(True, alpha=0.3)
         if self.live:
             self._show()
@@ -137,8 +156,24 @@ class Animator:
         return path
 
 
-def training_animator(num_epochs: int, title: str | None = None) -> Animator:
+def _plain(v: float) -> str:
+    """A tick label without exponents: ``128``, ``0.5``."""
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+TRAINING_YLIM = (0.0, 2.5)
+"""The y range of every learning curve: runs that the book compares are drawn on the
+same scale. It holds the test accuracy (0 to 1) and the training loss from its start, a
+uniform guess among Fashion-MNIST's 10 classes (cross-entropy ln 10 = 2.30), down; the
+points of a run whose loss grows past it are marked on the top edge."""
+
+
+def training_animator(num_epochs: int, title: str | None = None,
+                      ylim: tuple[float, float] = TRAINING_YLIM) -> Animator:
     """The learning curve every training loop of the book draws: train loss and test
-    accuracy after each of ``num_epochs`` epochs."""
-    return Animator(xlabel="epoch", xlim=[1, num_epochs], legend=["train loss", "test acc"],
-                    title=title)
+    accuracy after each of ``num_epochs`` epochs, on the fixed y range ``ylim``
+    (default :data:`TRAINING_YLIM`), so that the curves of different runs can be
+    compared. The x ticks are the epochs (whole numbers) up to 12 epochs."""
+    return Animator(xlabel="epoch", xlim=[1, num_epochs], ylim=ylim,
+                    legend=["train loss", "test acc"], title=title,
+                    xticks=range(1, num_epochs + 1) if num_epochs <= 12 else None)
