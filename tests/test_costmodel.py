@@ -49,3 +49,26 @@ def test_relative_error_is_zero_for_the_model_itself():
     assert costmodel.relative_error(data, 1e-4, 1e-9, "shared") == pytest.approx(0, abs=1e-12)
     assert costmodel.fit(data, "shared") == pytest.approx((1e-4, 1e-9), rel=1e-6)
 
+
+
+def test_every_link_has_a_typical_latency_in_a_plausible_order():
+    """The calculator's presets take α from LINK_LATENCY and β from LINKS: one latency per
+    link, microseconds to tens of microseconds, NVLink below PCIe below the networks, and
+    RDMA (InfiniBand) below TCP over Ethernet."""
+    lat = costmodel.LINK_LATENCY
+    assert set(lat) == set(costmodel.LINKS)
+    assert all(isinstance(v, float) and 1e-7 < v < 1e-3 for v in lat.values()), lat
+    nvlink = [v for k, v in lat.items() if k.startswith("NVLink")]
+    pcie = [v for k, v in lat.items() if k.startswith("PCIe")]
+    ethernet = [v for k, v in lat.items() if k.startswith("Ethernet")]
+    infiniband = [v for k, v in lat.items() if k.startswith("InfiniBand")]
+    assert nvlink and pcie and ethernet and infiniband
+    assert max(nvlink) < min(pcie) <= max(pcie) <= min(infiniband)
+    assert max(infiniband) < min(ethernet)
+    # with these, the ring overtakes the tree on 8 GPUs below a few MB, not at 80 MB
+    L_ring, B_ring = costmodel.coefficients("ring", 8)
+    L_tree, B_tree = costmodel.coefficients("tree", 8)
+    name = "NVLink (H100, 18 links)"
+    crossover = ((L_ring - L_tree) * lat[name]
+                 / ((B_tree - B_ring) / costmodel.LINKS[name]))
+    assert 1e5 < crossover < 1e7

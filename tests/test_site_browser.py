@@ -238,15 +238,18 @@ def test_calculator_agrees_with_the_cost_model(server, page, lang):
     assert preset.input_value() == "machine"
     assert float(widget.get_attribute("data-alpha")) == data["alpha"]
     assert float(widget.get_attribute("data-beta")) == data["beta"]
-    preset.select_option("NVLink (H100, 18 links)")            # a link's β, the reader's α
+    if "latencies" in data:           # the links' typical α, passed by the page
+        assert data["latencies"] == pytest.approx(costmodel.LINK_LATENCY)
+    nvlink = "NVLink (H100, 18 links)"
+    preset.select_option(nvlink)      # the link's β, and its typical α if the page gives one
+    alpha = data.get("latencies", {}).get(nvlink, data["alpha"])
     assert float(widget.get_attribute("data-beta")) == pytest.approx(1 / 450e9)
-    assert float(widget.get_attribute("data-alpha")) == data["alpha"]
+    assert float(widget.get_attribute("data-alpha")) == alpha
     widget.locator('input[data-role="devices"]').fill("8")
     widget.locator('input[data-role="size"]').fill("20")
     shown = widget.locator('tr[data-algorithm="ring"] td[data-seconds]').get_attribute(
         "data-seconds")
-    assert float(shown) == pytest.approx(costmodel.predict("ring", 2**20, 8, data["alpha"],
-                                                           1 / 450e9))
+    assert float(shown) == pytest.approx(costmodel.predict("ring", 2**20, 8, alpha, 1 / 450e9))
     preset.select_option("machine")
     assert float(widget.get_attribute("data-beta")) == data["beta"]
 
@@ -349,3 +352,253 @@ def test_the_table_of_contents_opens_on_a_phone(server, browser, lang):
     expect(link).to_be_in_viewport(ratio=1, timeout=5000)   # slid in, whole, on the screen
     context.close()
     assert not errors, f"JavaScript errors: {errors}"
+
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_formulas_render_without_the_internet(server, browser, lang):
+    """MathJax comes with the site (tools/dpbook_site.mathjax_files): with every request
+    off the site refused, the allreduce page's formulas are typeset, fonts included."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    outside = []
+
+    def only_the_site(route):
+        if route.request.url.startswith(server):
+            route.continue_()
+        else:
+            outside.append(route.request.url)
+            route.abort()
+
+    page.route("**/*", only_the_site)
+    path = {"en": "chapters/en/communication/allreduce.html",
+            "zh": "zh/chapters/zh/communication/allreduce.html"}[lang]
+    fonts = []
+    page.on("response", lambda r: fonts.append(r.url) if r.url.endswith(".woff") else None)
+    _open(page, server, path)
+    page.wait_for_selector("mjx-container", timeout=20000)
+    assert page.locator("mjx-container").count() > 5
+    text = page.locator("article").inner_text()
+    assert "\\(" not in text and "\\alpha" not in text      # no raw TeX left
+    assert fonts, "MathJax loaded no font from the site"
+    assert not [u for u in outside if "mathjax" in u.lower()], outside
+    context.close()
+
+_CALCULATOR_COPY = """([data, lang]) => {
+  const div = document.createElement('div');
+  div.className = 'dpbook-widget';
+  div.dataset.widget = 'alpha-beta';
+  div.dataset.lang = lang;
+  div.id = 'dpbook-test-calculator';
+  const script = document.createElement('script');
+  script.type = 'application/json';
+  script.textContent = JSON.stringify(data);
+  div.appendChild(script);
+  document.querySelector('.dpbook-widget[data-widget="alpha-beta"]').after(div);
+  window.dpbookWidgets.mountAll();
+}"""
+
+
+def _calculator_with_latencies(page, lang: str):
+    """A second calculator on the page, fed the page's data with ``latencies`` from
+    costmodel.LINK_LATENCY, as the page passes them (or will: the widget takes them when
+    they are there), so that these tests do not depend on the stored page's data."""
+    from dpbook import costmodel
+    data = dict(_widget_data(page, "alpha-beta"), latencies=costmodel.LINK_LATENCY)
+    page.evaluate(_CALCULATOR_COPY, [data, lang])
+    widget = page.locator("#dpbook-test-calculator .dpbook-widget-live")
+    widget.wait_for()
+    return widget, data
+
+
+@pytest.mark.parametrize("lang", list(WIDGET_PAGES))
+def test_calculator_presets_carry_their_links_latency(server, page, lang):
+    """A link preset sets β from LINKS and α from LINK_LATENCY, and says so; "α from this
+    machine" is said of the machine preset only. With NVLink's few µs the ring overtakes
+    the tree on 8 GPUs at a few MiB, not at the 137 MiB this machine's α made of it."""
+    from dpbook import costmodel
+    _open(page, server, WIDGET_PAGES[lang])
+    widget, data = _calculator_with_latencies(page, lang)
+    source = widget.locator('[data-role="source"]')
+    machine_words = "本机" if lang == "zh" else "this machine"
+    assert machine_words in source.inner_text()
+    preset = widget.locator('select[data-role="preset"]')
+    for name, bandwidth in costmodel.LINKS.items():
+        preset.select_option(name)
+        assert float(widget.get_attribute("data-alpha")) == pytest.approx(
+            costmodel.LINK_LATENCY[name])
+        assert float(widget.get_attribute("data-beta")) == pytest.approx(1 / bandwidth)
+        assert widget.get_attribute("data-alpha-from") == "link"
+        assert machine_words not in source.inner_text(), (name, source.inner_text())
+        assert float(widget.locator('input[data-role="alpha"]').input_value()) == \
+            pytest.approx(costmodel.LINK_LATENCY[name] * 1e6, rel=1e-3)
+    preset.select_option("NVLink (H100, 18 links)")
+    widget.locator('input[data-role="devices"]').fill("8")
+    note = widget.locator('[data-role="crossover"]').inner_text()
+    mib = float(re.search(r"([\d.]+) MiB", note).group(1))
+    assert 1 < mib < 10, note
+    preset.select_option("machine")
+    assert float(widget.get_attribute("data-alpha")) == data["alpha"]
+    assert machine_words in source.inner_text()
+
+
+@pytest.mark.parametrize("lang", list(WIDGET_PAGES))
+def test_calculator_explains_its_lines_and_axes(server, page, lang):
+    """A legend names the three curves (in the edition's words), the crossover line and
+    the chosen size; the y axis reads 1 ms, 10 ms, 100 ms; one device draws no curves
+    and says there is nothing to send."""
+    _open(page, server, WIDGET_PAGES[lang])
+    widget = page.locator('.dpbook-widget[data-widget="alpha-beta"] .dpbook-widget-live')
+    widget.wait_for()
+    names = (["朴素全归约", "环形全归约", "树形全归约"] if lang == "zh"
+             else ["naive", "ring", "tree"])
+    widget.locator('input[data-role="alpha"]').fill("10")          # crossover at 188 kB
+    widget.locator('input[data-role="bandwidth"]').fill("10")
+    widget.locator('input[data-role="devices"]').fill("8")
+    legend = widget.locator(".dpbook-legend text").all_text_contents()
+    assert legend[:3] == names, legend
+    assert len(legend) == 5, legend                   # with the crossover's line
+    assert widget.locator(".dpbook-legend line.dpbook-crossover").count() == 1
+    assert widget.locator(".dpbook-legend line.dpbook-chosen").count() == 1
+    assert widget.locator("svg > line.dpbook-crossover").count() == 1
+    rows = widget.locator("tr[data-algorithm] td:first-child").all_inner_texts()
+    assert rows == names
+    ticks = widget.locator(".dpbook-axes text.dpbook-ytick").all_text_contents()
+    assert len(ticks) >= 2, ticks
+    assert all(re.fullmatch(r"\d+(\.\d+)? (ns|µs|ms|s)", t) for t in ticks), ticks
+    widget.locator('input[data-role="devices"]').fill("1")
+    assert widget.locator("polyline").count() == 0
+    nothing = "只有一个设备" if lang == "zh" else "one device: nothing to send"
+    assert nothing in widget.locator('[data-role="crossover"]').inner_text()
+    assert nothing in widget.locator("svg").text_content()
+    widget.locator('input[data-role="devices"]').fill("4")
+    assert widget.locator("polyline").count() == 3
+
+
+_COLOURS = """root => {
+  const background = el => {          // the colour behind an element: its own or an ancestor's
+    for (let e = el; e; e = e.parentElement) {
+      const c = getComputedStyle(e).backgroundColor;
+      if (c && c !== 'transparent' && !/rgba\\(.*, 0\\)$/.test(c)) return c;
+    }
+    return 'rgb(255, 255, 255)';
+  };
+  const pairs = [];
+  root.querySelectorAll('circle.dpbook-ring-node').forEach((circle, i) => {
+    const text = root.querySelectorAll('text.dpbook-ring-rank')[i];
+    pairs.push(['rank ' + i, getComputedStyle(text).fill, getComputedStyle(circle).fill]);
+  });
+  root.querySelectorAll('td.dpbook-changed, td.dpbook-final, .dpbook-widget-legend span')
+    .forEach(td => pairs.push([td.className + ' ' + td.textContent,
+                               getComputedStyle(td).color, background(td)]));
+  return pairs;
+}"""
+
+
+def _contrast(a: str, b: str) -> float:
+    """WCAG contrast ratio of two CSS ``rgb(...)`` colours."""
+    def luminance(colour):
+        r, g, b = (int(v) / 255 for v in re.findall(r"[\d.]+", colour)[:3])
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in (r, g, b)]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+    hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+@pytest.mark.parametrize("lang", list(WIDGET_PAGES))
+def test_ring_replay_is_legible_in_both_themes_and_does_not_jump(server, page, lang, theme):
+    """Rank numbers on their nodes and the changed and final cells keep a contrast of at
+    least 4.5 (WCAG AA) in light and dark mode; a legend says what yellow and green bold
+    mean; the status line keeps one height while the replay plays."""
+    _open(page, server, WIDGET_PAGES[lang])
+    if theme == "dark":
+        page.evaluate("document.documentElement.dataset.theme = 'dark'")
+    widget = page.locator('.dpbook-widget[data-widget="ring-replay"] .dpbook-widget-live')
+    widget.wait_for()
+    key = widget.locator(".dpbook-widget-legend")
+    assert key.locator(".dpbook-changed").count() == key.locator(".dpbook-final").count() == 1
+    assert ("本轮有变化" if lang == "zh" else "changed in this round") in key.inner_text()
+    status = widget.locator(".dpbook-widget-status")
+    heights = [status.bounding_box()["height"]]
+    forward = widget.locator('button[data-role="forward"]')
+    low = []
+    for _ in range(int(widget.get_attribute("data-frames"))):
+        forward.click()
+        heights.append(status.bounding_box()["height"])
+        for what, fg, bg in widget.evaluate(_COLOURS):
+            if _contrast(fg, bg) < 4.5:
+                low.append((what, fg, bg, round(_contrast(fg, bg), 2)))
+    assert not low, f"{theme}: too little contrast {low}"
+    assert max(heights) - min(heights) < 0.5, heights
+
+
+@pytest.mark.parametrize("lang", list(WIDGET_PAGES))
+def test_widget_labels_stay_legible_on_a_phone(server, browser, lang):
+    """At 390 px the drawings are drawn for their width instead of shrinking a 640-px
+    drawing: no label of the calculator, the ring or the timeline is under 10 px on the
+    screen, and nothing in a widget scrolls sideways. The Chinese timeline names its
+    lanes in Chinese."""
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    timeline = {"en": "chapters/en/inside-ddp/timeline.html",
+                "zh": "zh/chapters/zh/inside-ddp/timeline.html"}[lang]
+    small, wide = [], []
+    for path in (WIDGET_PAGES[lang], timeline):
+        _open(page, server, path)
+        page.locator(".dpbook-widget-live").first.wait_for()
+        small += page.evaluate("""() => [...document.querySelectorAll(
+            '.dpbook-widget-live svg text')].map(t => {
+              const svg = t.ownerSVGElement;
+              const scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+              return [t.textContent, parseFloat(getComputedStyle(t).fontSize) * scale];
+            }).filter(([_, px]) => px < 10)""")
+        wide += page.evaluate("""() => [...document.querySelectorAll('.dpbook-widget-live')]
+            .filter(w => w.scrollWidth > w.clientWidth + 1)
+            .map(w => w.parentNode.dataset.widget)""")
+    lanes = page.locator(".dpbook-widget-live svg text").all_text_contents()
+    context.close()
+    assert not small, f"labels under 10 px at 390 px: {small[:10]}"
+    assert not wide, f"widgets wider than a phone: {wide}"
+    assert ({"反向传播", "全归约"} if lang == "zh" else {"backward", "allreduce"}) <= set(lanes)
+    assert not errors, f"JavaScript errors: {errors}"
+
+
+_OVERFLOW = """() => {
+  const wide = [];
+  const article = document.querySelector('article');
+  for (const pre of article.querySelectorAll('pre')) {
+    const input = pre.closest('.cell_input') !== null;
+    const before = pre.style.whiteSpace;
+    if (input) pre.style.whiteSpace = 'pre';     // a code cell must fit without wrapping
+    if (pre.scrollWidth > pre.clientWidth + 1)
+      wide.push((input ? 'code: ' : 'text: ') + pre.textContent.split('\\n')
+                .sort((a, b) => b.length - a.length)[0].slice(0, 90));
+    pre.style.whiteSpace = before;
+  }
+  for (const t of article.querySelectorAll('table, .MathJax, mjx-container, img, svg'))
+    if (t.getBoundingClientRect().right > article.getBoundingClientRect().right + 1)
+      wide.push('element: ' + t.tagName + ' ' + (t.textContent || '').slice(0, 60));
+  if (document.documentElement.scrollWidth > document.documentElement.clientWidth)
+    wide.push('the page itself');
+  return wide;
+}"""
+
+
+def test_nothing_scrolls_sideways(server, page):
+    """At 1280 px every code cell fits the column without wrapping (tests/test_stage.py
+    keeps them within 80 columns; the site's CSS sizes the font for that), outputs and
+    included package code wrap, and tables, formulas and figures stay inside the article.
+    Every page of both editions."""
+    from book import toc_files
+    paths = ([f"{e}.html" for e in toc_files("en")]
+             + [f"zh/{e}.html" for e in toc_files("zh")])
+    wide = {}
+    for path in paths:
+        _open(page, server, path)
+        found = page.evaluate(_OVERFLOW)
+        if found:
+            wide[path] = found
+    assert not wide, f"wider than the column at 1280 px: {wide}"

@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 __all__ = ["ALGORITHMS", "coefficients", "predict", "relative_error", "fit", "bus_bandwidth",
-           "transfer_seconds", "LINKS"]
+           "transfer_seconds", "LINKS", "LINK_LATENCY"]
 
 ALGORITHMS = ("naive", "ring", "tree")
 
@@ -117,6 +117,31 @@ LINKS = {
     "Ethernet 10 Gbit/s": 1.25e9,
     "Ethernet 100 Gbit/s": 12.5e9,
     "InfiniBand NDR 400 Gbit/s": 50e9,
+}
+
+#: A typical latency α (seconds per message) of each link in :data:`LINKS`, for the α–β
+#: model: typical orders of magnitude, not measurements — software, driver and NIC decide
+#: as much as the wire. The GPU links and InfiniBand follow NCCL's own α–β model
+#: (``hwLat`` in NCCL's ``src/graph/tuning.cc``: seconds per ring step, Simple protocol:
+#: NVLink 3.4 µs, PCIe 5.7 µs, network 9.6 µs; NCCL adds one fixed launch cost per
+#: collective on top).
+LINK_LATENCY = {
+    # A step over PCIe between two GPUs (NCCL: 5.7 µs). PCIe's generations double the
+    # bandwidth; the latency of a message stays about the same.
+    "PCIe 3.0 x16": 6e-6,
+    "PCIe 4.0 x16": 6e-6,
+    "PCIe 5.0 x16": 6e-6,
+    # A step over NVLink (NCCL: 3.4 µs); NVIDIA's p2pBandwidthLatencyTest (CUDA samples)
+    # shows a GPU-to-GPU write of a couple of µs on either generation.
+    "NVLink (V100, 6 links)": 3e-6,
+    "NVLink (H100, 18 links)": 3e-6,
+    # TCP through the kernel's network stack (gloo, NCCL's socket transport): a message
+    # costs tens of µs, at 10 and 100 Gbit/s alike; the stack, not the wire, sets it.
+    "Ethernet 10 Gbit/s": 30e-6,
+    "Ethernet 100 Gbit/s": 30e-6,
+    # RDMA itself takes 1–2 µs (perftest's ib_write_lat); NCCL's model puts a network
+    # step, GPU, PCIe and proxy thread included, at 9.6 µs.
+    "InfiniBand NDR 400 Gbit/s": 10e-6,
 }
 
 

@@ -9,6 +9,10 @@
  *
  * `window.dpbookWidgets.model` holds the α–β formulas, the same as dpbook.costmodel's
  * (the browser test compares them with the Python values).
+ *
+ * The drawings take the width they get on the page as their own (a phone gets a narrower
+ * drawing, not a smaller one), and colours that dark mode would hide are set in
+ * dpbook-site.css for both themes.
  */
 (function () {
   "use strict";
@@ -18,8 +22,18 @@
       preset: "link", machine: "this machine (fitted: {n} processes)", alpha: "α (µs)",
       bandwidth: "1/β (GB/s)", devices: "devices N", size: "message size",
       time: "time", bus: "bus bandwidth", algorithm: "algorithm",
+      names: { naive: "naive", ring: "ring", tree: "tree" },
       crossover: "ring overtakes tree above {size}", noCrossover: "no crossover: {which} is faster at every size",
-      xlabel: "message size (bytes)", ylabel: "seconds",
+      oneDevice: "one device: nothing to send",
+      legendCrossover: "ring overtakes tree", legendChosen: "chosen size",
+      bothMachine: "α and 1/β: fitted on this machine", alphaMachine: "α: fitted on this machine",
+      betaMachine: "1/β: fitted on this machine",
+      alphaLink: "α: typical for this link (an order of magnitude)",
+      alphaKeptMachine: "α: still this machine's (no typical value given for this link)",
+      alphaKept: "α: unchanged (no typical value given for this link)",
+      alphaReader: "α: your value", betaLink: "1/β: the data sheet's peak",
+      betaReader: "1/β: your value",
+      xlabel: "message size (bytes)", ylabel: "time per allreduce",
       play: "Play", pause: "Pause", back: "Step back", forward: "Step forward",
       reset: "Back to the start", speed: "speed",
       round: "round {k} of {n}", start: "before the first message",
@@ -27,16 +41,28 @@
       gather: "all-gather: finished chunks are copied on",
       chunk: "chunk", rank: "rank", posted: "posted {t} ms after the start",
       done: "every rank holds the sum", keys: "keys: ← → step, space play/pause",
+      changed: "changed in this round", final: "final: the sum over all ranks",
       zoomIn: "Zoom in", zoomOut: "Zoom out", fit: "Whole step",
       timelineKeys: "keys: + − zoom, ← → move; hover a block for its time",
+      lanes: { backward: "backward", allreduce: "allreduce" },
       ms: "ms since the first recorded event of the step", span: "{lane}: {start} ms, lasts {length} ms"
     },
     zh: {
       preset: "链路", machine: "本机（{n}个进程时的拟合值）", alpha: "α（µs）",
       bandwidth: "1/β（GB/s）", devices: "设备数N", size: "消息大小",
       time: "时间", bus: "总线带宽", algorithm: "算法",
-      crossover: "消息大于{size}时环形算法快于树形算法", noCrossover: "没有交点：无论消息多大，都是{which}更快",
-      xlabel: "消息大小（字节）", ylabel: "时间（秒）",
+      names: { naive: "朴素全归约", ring: "环形全归约", tree: "树形全归约" },
+      crossover: "消息大于{size}时环形全归约快于树形全归约", noCrossover: "没有交点：无论消息多大，都是{which}更快",
+      oneDevice: "只有一个设备：没有需要发送的数据",
+      legendCrossover: "环形全归约开始更快", legendChosen: "所选的消息大小",
+      bothMachine: "α和1/β：本机的拟合值", alphaMachine: "α：本机的拟合值",
+      betaMachine: "1/β：本机的拟合值",
+      alphaLink: "α：这种链路的典型值（数量级）",
+      alphaKeptMachine: "α：仍是本机的拟合值（没有给出这种链路的典型值）",
+      alphaKept: "α：保持不变（没有给出这种链路的典型值）",
+      alphaReader: "α：你设定的值", betaLink: "1/β：数据手册中的峰值",
+      betaReader: "1/β：你设定的值",
+      xlabel: "消息大小（字节）", ylabel: "每次全归约的时间",
       play: "播放", pause: "暂停", back: "后退一步", forward: "前进一步",
       reset: "回到开头", speed: "速度",
       round: "第{k}轮（共{n}轮）", start: "尚未发出任何消息",
@@ -44,8 +70,10 @@
       gather: "全收集：把求和完毕的块沿环复制下去",
       chunk: "块", rank: "进程", posted: "在开始后{t} ms发出",
       done: "每个进程都得到了总和", keys: "按键：← →单步，空格播放/暂停",
+      changed: "本轮有变化", final: "已是所有进程的总和",
       zoomIn: "放大", zoomOut: "缩小", fit: "显示完整的一步",
       timelineKeys: "按键：+ −缩放，← →移动；把鼠标停在色块上可以看到时间",
+      lanes: { backward: "反向传播", allreduce: "全归约" },
       ms: "从这一步记录到的第一个事件算起的时间（ms）", span: "{lane}：从{start} ms开始，持续{length} ms"
     }
   };
@@ -99,6 +127,16 @@
     return (n >= 100 ? n.toFixed(0) : n.toPrecision(3).replace(/\.?0+$/, "")) + " " + units[i];
   }
 
+  /* A power of ten of seconds as a reader says it: 1 ms, 10 ms, 100 ms, 1 s. */
+  function formatDecade(e) {
+    var units = [[0, "s"], [-3, "ms"], [-6, "µs"], [-9, "ns"]];
+    for (var i = 0; i < units.length; i += 1) {
+      if (e >= units[i][0] || i === units.length - 1) {
+        return +Math.pow(10, e - units[i][0]).toPrecision(1) + " " + units[i][1];
+      }
+    }
+  }
+
   // ------------------------------------------------------------------ small DOM helpers
   var SVG = "http://www.w3.org/2000/svg";
 
@@ -120,9 +158,54 @@
 
   var COLORS = { naive: "#1f77b4", ring: "#ff7f0e", tree: "#2ca02c" };
 
+  /* The width, in CSS pixels, an SVG drawing gets on the page, between `min` and `max`:
+   * the drawings use it as their viewBox width, so that an 11-px label stays 11 px on a
+   * phone instead of shrinking with a 640-px drawing (640 before the page has a layout). */
+  function drawingWidth(svg, min, max) {
+    var w = svg.getBoundingClientRect().width;
+    return w > 0 ? Math.round(Math.max(min, Math.min(max, w))) : max;
+  }
+
+  /* Calls `callback` when `node`'s width changes (a phone turned, a window resized). */
+  function onWidthChange(node, callback) {
+    var last = node.getBoundingClientRect().width;
+    function check() {
+      var w = node.getBoundingClientRect().width;
+      if (Math.abs(w - last) >= 1) { last = w; callback(); }
+    }
+    if (window.ResizeObserver) { new ResizeObserver(check).observe(node); }
+    else { window.addEventListener("resize", check); }
+  }
+
+  /* A legend in the corner of a chart: [{label, line attributes}], on a backdrop that
+   * keeps it legible where a line runs under it. */
+  function legend(svg, x, y, entries) {
+    var group = el("svg:g", { "class": "dpbook-legend" }, svg);
+    var backdrop = el("svg:rect", { x: x - 4, y: y - 4, rx: 3, "class": "dpbook-legend-backdrop" }, group);
+    var widest = 0;
+    entries.forEach(function (entry, i) {
+      var ly = y + 7 + 15 * i;
+      var attrs = { x1: x, x2: x + 20, y1: ly, y2: ly, "stroke-width": 2 };
+      Object.keys(entry.line).forEach(function (k) { attrs[k] = entry.line[k]; });
+      el("svg:line", attrs, group);
+      var text = el("svg:text", { x: x + 26, y: ly + 4 }, group, entry.label);
+      var w = 0;
+      try { w = text.getComputedTextLength(); } catch (e) { w = 0; }
+      widest = Math.max(widest, w || entry.label.length * 7);
+    });
+    backdrop.setAttribute("width", 26 + widest + 8);
+    backdrop.setAttribute("height", 15 * entries.length + 8);
+    return group;
+  }
+
   // ------------------------------------------------------------------ the calculator
+  /* data: {alpha, beta, processes: the fit of this machine; links: {name: β};
+   * latencies (optional): {name: α}, a typical latency of each link}. A link preset sets
+   * β, and α too where `latencies` names the link; otherwise α stays as it was. */
   function mountAlphaBeta(root, data, t) {
-    var state = { alpha: data.alpha, beta: data.beta, N: data.processes, log2size: 24 };
+    var latencies = data.latencies || {};
+    var state = { alpha: data.alpha, beta: data.beta, N: data.processes, log2size: 24,
+                  alphaFrom: "machine", betaFrom: "machine" };
     var controls = el("div", { "class": "dpbook-widget-controls" }, root);
     var preset = labelled(controls, t.preset, el("select", { "data-role": "preset" }));
     el("option", { value: "machine" }, preset, fill(t.machine, { n: data.processes }));
@@ -138,6 +221,7 @@
     var size = labelled(controls, t.size, el("input", {
       type: "range", min: "10", max: "30", step: "1", "data-role": "size" }));
     var sizeText = el("output", {}, size.parentNode);
+    var source = el("p", { "class": "dpbook-widget-note", "data-role": "source" }, root);
 
     var svg = el("svg:svg", { viewBox: "0 0 640 320", role: "img", "class": "dpbook-chart" }, root);
     var readout = el("div", { "class": "dpbook-widget-readout", "aria-live": "polite" }, root);
@@ -149,19 +233,40 @@
       size.value = state.log2size;
     }
 
+    function describeSource() {
+      var both = state.alphaFrom === "machine" && state.betaFrom === "machine";
+      source.textContent = both ? t.bothMachine
+        : t[{ machine: "alphaMachine", link: "alphaLink", keptMachine: "alphaKeptMachine",
+              kept: "alphaKept", reader: "alphaReader" }[state.alphaFrom]]
+          + " · " + t[{ machine: "betaMachine", link: "betaLink", reader: "betaReader" }[state.betaFrom]];
+      root.dataset.alphaFrom = state.alphaFrom;
+    }
+
     preset.addEventListener("change", function () {
       if (preset.value === "machine") {
         state.alpha = data.alpha; state.beta = data.beta;
+        state.alphaFrom = state.betaFrom = "machine";
       } else {
-        state.beta = data.links[preset.value];      // the link's β; α stays the reader's
+        state.beta = data.links[preset.value]; state.betaFrom = "link";
+        if (latencies[preset.value] > 0) {
+          state.alpha = latencies[preset.value]; state.alphaFrom = "link";
+        } else if (state.alphaFrom === "machine") {
+          state.alphaFrom = "keptMachine";     // no typical α for it: α stays as it was
+        } else if (state.alphaFrom === "link") {
+          state.alphaFrom = "kept";
+        }
       }
       sync(); draw();
     });
     alpha.addEventListener("input", function () {
-      if (alpha.value !== "" && +alpha.value >= 0) { state.alpha = +alpha.value * 1e-6; draw(); }
+      if (alpha.value !== "" && +alpha.value >= 0) {
+        state.alpha = +alpha.value * 1e-6; state.alphaFrom = "reader"; draw();
+      }
     });
     bandwidth.addEventListener("input", function () {
-      if (+bandwidth.value > 0) { state.beta = 1 / (+bandwidth.value * 1e9); draw(); }
+      if (+bandwidth.value > 0) {
+        state.beta = 1 / (+bandwidth.value * 1e9); state.betaFrom = "reader"; draw();
+      }
     });
     devices.addEventListener("input", function () {
       var n = Math.round(+devices.value);
@@ -170,7 +275,9 @@
     size.addEventListener("input", function () { state.log2size = +size.value; draw(); });
 
     function draw() {
-      var W = 640, H = 320, left = 64, right = 16, top = 12, bottom = 44;
+      var W = drawingWidth(svg, 300, 640), H = W >= 560 ? 320 : 300;
+      var left = W >= 560 ? 64 : 52, right = 16, top = 12, bottom = 44;
+      svg.setAttribute("viewBox", "0 0 " + W + " " + H);
       var xmin = 10, xmax = 30;                               // log2 of the size in bytes
       var sizes = [];
       for (var k = xmin; k <= xmax; k += 0.25) { sizes.push(Math.pow(2, k)); }
@@ -180,7 +287,7 @@
         times[a] = sizes.map(function (n) { return predict(a, n, state.N, state.alpha, state.beta); });
         times[a].forEach(function (s) { if (s > 0) { ymin = Math.min(ymin, s); ymax = Math.max(ymax, s); } });
       });
-      if (!(ymax > 0)) { ymin = 1e-6; ymax = 1; }
+      if (!(ymax > 0)) { ymin = 1e-4; ymax = 1e-1; }
       var ylo = Math.floor(Math.log10(ymin)), yhi = Math.ceil(Math.log10(ymax));
       if (yhi === ylo) { yhi += 1; }
       var x = function (n) { return left + (Math.log2(n) - xmin) / (xmax - xmin) * (W - left - right); };
@@ -190,35 +297,52 @@
       };
       while (svg.firstChild) { svg.removeChild(svg.firstChild); }
       var axes = el("svg:g", { "class": "dpbook-axes" }, svg);
+      var every = Math.ceil((yhi - ylo) / 8);                 // at most 9 labelled decades
       for (var e = ylo; e <= yhi; e += 1) {
         el("svg:line", { x1: left, x2: W - right, y1: y(Math.pow(10, e)), y2: y(Math.pow(10, e)),
                          "class": "dpbook-grid" }, axes);
-        el("svg:text", { x: left - 6, y: y(Math.pow(10, e)) + 4, "text-anchor": "end" }, axes,
-           "1e" + e);
+        if ((e - ylo) % every === 0) {
+          el("svg:text", { x: left - 6, y: y(Math.pow(10, e)) + 4, "text-anchor": "end",
+                           "class": "dpbook-ytick" }, axes,
+             formatDecade(e));
+        }
       }
       for (var b = xmin; b <= xmax; b += 5) {
         el("svg:line", { x1: x(Math.pow(2, b)), x2: x(Math.pow(2, b)), y1: top, y2: H - bottom,
                          "class": "dpbook-grid" }, axes);
-        el("svg:text", { x: x(Math.pow(2, b)), y: H - bottom + 16, "text-anchor": "middle" }, axes,
+        el("svg:text", { x: x(Math.pow(2, b)), y: H - bottom + 16,
+                         "text-anchor": b === xmin ? "start" : b === xmax ? "end" : "middle" }, axes,
            formatBytes(Math.pow(2, b)));
       }
       el("svg:text", { x: (left + W - right) / 2, y: H - 6, "text-anchor": "middle" }, axes, t.xlabel);
-      el("svg:text", { x: 14, y: (top + H - bottom) / 2, "text-anchor": "middle",
-                       transform: "rotate(-90 14 " + (top + H - bottom) / 2 + ")" }, axes, t.ylabel);
-      ALGORITHMS.forEach(function (a, i) {
-        var points = sizes.map(function (n, j) { return x(n).toFixed(1) + "," + y(times[a][j]).toFixed(1); });
-        el("svg:polyline", { points: points.join(" "), fill: "none", stroke: COLORS[a],
-                             "stroke-width": 2, "data-algorithm": a }, svg);
-        el("svg:text", { x: left + 8, y: top + 14 + 14 * i, style: "fill: " + COLORS[a] }, svg, a);
-      });
-      var cross = state.N > 1 ? crossover(state.N, state.alpha, state.beta) : null;
-      if (cross !== null && cross >= Math.pow(2, xmin) && cross <= Math.pow(2, xmax)) {
+      el("svg:text", { x: 12, y: (top + H - bottom) / 2, "text-anchor": "middle",
+                       transform: "rotate(-90 12 " + (top + H - bottom) / 2 + ")" }, axes, t.ylabel);
+      var one = state.N <= 1;
+      if (one) {                                   // nothing travels: no curves to draw
+        el("svg:text", { x: (left + W - right) / 2, y: (top + H - bottom) / 2,
+                         "text-anchor": "middle", "class": "dpbook-chart-message" }, svg, t.oneDevice);
+      } else {
+        ALGORITHMS.forEach(function (a) {
+          var points = sizes.map(function (n, j) { return x(n).toFixed(1) + "," + y(times[a][j]).toFixed(1); });
+          el("svg:polyline", { points: points.join(" "), fill: "none", stroke: COLORS[a],
+                               "stroke-width": 2, "data-algorithm": a }, svg);
+        });
+      }
+      var cross = one ? null : crossover(state.N, state.alpha, state.beta);
+      var crossShown = cross !== null && cross >= Math.pow(2, xmin) && cross <= Math.pow(2, xmax);
+      if (crossShown) {
         el("svg:line", { x1: x(cross), x2: x(cross), y1: top, y2: H - bottom,
                          "class": "dpbook-crossover" }, svg);
       }
       var chosen = Math.pow(2, state.log2size);
       el("svg:line", { x1: x(chosen), x2: x(chosen), y1: top, y2: H - bottom,
                        "class": "dpbook-chosen" }, svg);
+      var entries = one ? [] : ALGORITHMS.map(function (a) {
+        return { label: t.names[a], line: { stroke: COLORS[a] } };
+      });
+      if (crossShown) { entries.push({ label: t.legendCrossover, line: { "class": "dpbook-crossover" } }); }
+      entries.push({ label: t.legendChosen, line: { "class": "dpbook-chosen" } });
+      legend(svg, left + 10, top + 8, entries);
       sizeText.textContent = formatBytes(chosen);
       svg.setAttribute("aria-label", t.xlabel + " / " + t.ylabel);
 
@@ -230,27 +354,29 @@
       ALGORITHMS.forEach(function (a) {
         var s = predict(a, chosen, state.N, state.alpha, state.beta);
         var row = el("tr", { "data-algorithm": a }, body);
-        el("td", {}, row, a);
-        el("td", { "data-seconds": s }, row, state.N > 1 ? formatSeconds(s) : "0");
-        el("td", {}, row, state.N > 1 && s > 0
+        el("td", {}, row, t.names[a]);
+        el("td", { "data-seconds": s }, row, one ? "0" : formatSeconds(s));
+        el("td", {}, row, !one && s > 0
           ? (busBandwidth(chosen, s, state.N) / 1e9).toPrecision(3) + " GB/s" : "–");
       });
       var note = el("p", { "data-role": "crossover" }, readout);
-      if (state.N <= 1) {
-        note.textContent = "";
+      if (one) {
+        note.textContent = t.oneDevice;
       } else if (cross !== null) {
         note.textContent = fill(t.crossover, { size: formatBytes(cross) });
       } else {
         var ringFaster = predict("ring", chosen, state.N, state.alpha, state.beta)
                          <= predict("tree", chosen, state.N, state.alpha, state.beta);
-        note.textContent = fill(t.noCrossover, { which: ringFaster ? "ring" : "tree" });
+        note.textContent = fill(t.noCrossover, { which: t.names[ringFaster ? "ring" : "tree"] });
       }
+      describeSource();
       root.dataset.alpha = state.alpha;
       root.dataset.beta = state.beta;
     }
 
     sync();
     draw();
+    onWidthChange(root, draw);
   }
 
   // ------------------------------------------------------------------ the ring replay
@@ -305,6 +431,12 @@
     var stage = el("div", { "class": "dpbook-widget-stage" }, root);
     var svg = el("svg:svg", { viewBox: "0 0 300 300", role: "img", "class": "dpbook-ring" }, stage);
     var table = el("table", { "class": "dpbook-widget-table", "data-role": "states" }, stage);
+    var key = el("p", { "class": "dpbook-widget-legend" }, root);   // what the colours mean
+    [["dpbook-changed", "3, 5", t.changed], ["dpbook-final", "10, 14", t.final]].forEach(function (k) {
+      var item = el("span", { "class": "dpbook-legend-item" }, key);
+      el("span", { "class": "dpbook-legend-cell " + k[0] }, item, k[1]);
+      el("span", {}, item, " " + k[2]);
+    });
 
     var cx = 150, cy = 150, radius = 105;
     function position(rank) {
@@ -339,15 +471,10 @@
       for (var r = 0; r < N; r += 1) {
         var p = position(r);
         el("svg:circle", { cx: p[0], cy: p[1], r: 24, "class": "dpbook-ring-node" }, svg);
-        el("svg:text", { x: p[0], y: p[1] + 5, "text-anchor": "middle" }, svg, String(r));
+        el("svg:text", { x: p[0], y: p[1] + 5, "text-anchor": "middle", "class": "dpbook-ring-rank" },
+           svg, String(r));
       }
-      var words = current === 0 ? t.start
-        : fill(t.round, { k: current, n: last }) + " · "
-          + (current <= (N - 1) ? t.reduce : t.gather)
-          + (frame.messages.length ? " · " + fill(t.posted, {
-              t: (Math.min.apply(null, frame.messages.map(function (m) { return m.time; })) * 1e3).toFixed(2) }) : "");
-      if (current === last) { words += " · " + t.done; }
-      status.textContent = words;
+      status.textContent = statusText(current);
 
       while (table.firstChild) { table.removeChild(table.firstChild); }
       var head = el("tr", {}, el("thead", {}, table));
@@ -372,6 +499,29 @@
     }
 
     function go(k) { current = Math.max(0, Math.min(frames.length - 1, k)); render(); }
+
+    function statusText(k) {
+      var frame = frames[k], last = frames.length - 1;
+      var words = k === 0 ? t.start
+        : fill(t.round, { k: k, n: last }) + " · "
+          + (k <= (N - 1) ? t.reduce : t.gather)
+          + (frame.messages.length ? " · " + fill(t.posted, {
+              t: (Math.min.apply(null, frame.messages.map(function (m) { return m.time; })) * 1e3).toFixed(2) }) : "");
+      if (k === last) { words += " · " + t.done; }
+      return words;
+    }
+    /* The status line keeps the height of its longest text, so that nothing below it
+     * jumps during playback; measured again when the width changes. */
+    function fitStatus() {
+      status.style.minHeight = "";
+      var tallest = 0;
+      for (var k = 0; k < frames.length; k += 1) {
+        status.textContent = statusText(k);
+        tallest = Math.max(tallest, status.getBoundingClientRect().height);
+      }
+      status.textContent = statusText(current);
+      if (tallest > 0) { status.style.minHeight = Math.ceil(tallest) + "px"; }
+    }
     function stop() {
       if (timer !== null) { clearInterval(timer); timer = null; }
       play.textContent = "▶"; play.title = t.play; play.setAttribute("aria-label", t.play);
@@ -401,6 +551,8 @@
       }
     });
     render();
+    fitStatus();
+    onWidthChange(root, fitStatus);
   }
 
   // ------------------------------------------------------------------ the DDP timeline
@@ -424,14 +576,18 @@
     var W = 640, left = 110, right = 12, rowH = 22, top = 8;
     var H = top + names.length * (2 * rowH + 14) + 34;
     var svg = el("svg:svg", { viewBox: "0 0 " + W + " " + H, role: "img", "class": "dpbook-timeline" }, root);
+    var lanes = t.lanes || {};
     var COLOR = { backward: "#1f77b4", allreduce: "#ff7f0e" };
 
     function draw() {
+      W = drawingWidth(svg, 300, 640);            // 1:1 on the page: labels stay legible
+      left = W >= 560 ? 110 : 84;
+      svg.setAttribute("viewBox", "0 0 " + W + " " + H);
       while (svg.firstChild) { svg.removeChild(svg.firstChild); }
-      var span = view.to - view.from;
+      var span = view.to - view.from, ticks = W >= 560 ? 8 : 3;
       var x = function (ms) { return left + (ms - view.from) / span * (W - left - right); };
-      var step = Math.pow(10, Math.floor(Math.log10(span / 8)));     // 1, 2 or 5 × 10^k:
-      step *= span / step > 40 ? 5 : span / step > 16 ? 2 : 1;        // at most 8 ticks
+      var step = Math.pow(10, Math.floor(Math.log10(span / ticks)));  // 1, 2 or 5 × 10^k:
+      step *= span / step > 5 * ticks ? 5 : span / step > 2 * ticks ? 2 : 1;   // ≤ `ticks`
       for (var tick = Math.ceil(view.from / step) * step; tick <= view.to; tick += step) {
         el("svg:line", { x1: x(tick), x2: x(tick), y1: top, y2: H - 30, "class": "dpbook-grid" }, svg);
         el("svg:text", { x: x(tick), y: H - 16, "text-anchor": "middle" }, svg,
@@ -445,13 +601,13 @@
         el("svg:text", { x: 4, y: y0 + 12, "font-weight": "bold" }, svg, name);
         LANES.forEach(function (lane, j) {
           var y = y0 + 14 + j * rowH;
-          el("svg:text", { x: 12, y: y + 14 }, svg, lane);
+          el("svg:text", { x: 12, y: y + 14 }, svg, lanes[lane] || lane);
           var group = el("svg:g", { "clip-path": "url(#" + clip.id + ")", "data-lane": name + "/" + lane }, svg);
           data[name][lane].forEach(function (s) {
             if (s[0] + s[1] < view.from || s[0] > view.to) { return; }
             var rect = el("svg:rect", { x: x(s[0]), y: y, height: rowH - 4, fill: COLOR[lane],
                                         width: Math.max(x(s[0] + s[1]) - x(s[0]), 0.8) }, group);
-            el("svg:title", {}, rect, fill(t.span, { lane: lane, start: s[0].toFixed(3),
+            el("svg:title", {}, rect, fill(t.span, { lane: lanes[lane] || lane, start: s[0].toFixed(3),
                                                      length: s[1].toFixed(3) }));
           });
         });
@@ -493,6 +649,7 @@
       event.preventDefault();
     }, { passive: false });
     draw();
+    onWidthChange(root, draw);
   }
 
   var MOUNT = { "alpha-beta": mountAlphaBeta, "ring-replay": mountRingReplay,
