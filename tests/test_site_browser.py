@@ -566,6 +566,12 @@ def test_widget_labels_stay_legible_on_a_phone(server, browser, lang):
     assert not errors, f"JavaScript errors: {errors}"
 
 
+#: Pages whose figures or widgets the site review found hard to read: the sideways test
+#: saves a full-page screenshot of each, both editions, under _build/screenshots/pages/.
+FIGURE_PAGES = ("communication/allreduce", "communication/parameter-server",
+                "devices/pytorch", "devices/jax", "from-scratch/pytorch", "from-scratch/jax",
+                "concise/pytorch", "inside-ddp/timeline")
+
 _OVERFLOW = """() => {
   const wide = [];
   const article = document.querySelector('article');
@@ -596,9 +602,14 @@ def test_nothing_scrolls_sideways(server, page):
     paths = ([f"{e}.html" for e in toc_files("en")]
              + [f"zh/{e}.html" for e in toc_files("zh")])
     wide = {}
+    shots = SCREENSHOTS / "pages"
+    shots.mkdir(parents=True, exist_ok=True)
     for path in paths:
         _open(page, server, path)
         found = page.evaluate(_OVERFLOW)
         if found:
             wide[path] = found
+        if any(f"/{p}." in path for p in FIGURE_PAGES):     # to look at (issue 30)
+            name = path.replace("/", "-").removesuffix(".html")
+            page.screenshot(path=str(shots / f"{name}.png"), full_page=True)
     assert not wide, f"wider than the column at 1280 px: {wide}"
