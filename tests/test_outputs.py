@@ -48,6 +48,10 @@ def test_stored_run_is_a_cpu_run_with_its_hardware_line(entry):
         if cell.cell_type == "code" and lines and lines[-1].startswith("glue("):
             shown = [o for o in cell.outputs if o.output_type == "execute_result"]
             assert not shown, (entry, cell.source[-200:], shown)
+    # every figure is SVG, sharp at any size on the site (issue 30, item 10)
+    png = [c.source.splitlines()[0] for c in nb.cells if c.cell_type == "code"
+           for o in c.outputs if "image/png" in o.get("data", {})]
+    assert not png, f"figures stored as PNG, in cells starting: {png}"
 
 
 # The key: what must make a run stale, and what must not.
