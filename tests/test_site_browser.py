@@ -606,6 +606,7 @@ def test_nothing_scrolls_sideways(server, page):
     shots.mkdir(parents=True, exist_ok=True)
     for path in paths:
         _open(page, server, path)
+        page.evaluate("() => window.MathJax?.startup?.promise ?? null")   # typeset first
         found = page.evaluate(_OVERFLOW)
         if found:
             wide[path] = found
