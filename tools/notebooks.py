@@ -176,7 +176,9 @@ def pyobject_source(path: Path, name: str) -> str:
 
 FENCE = re.compile(r"^(?P<fence>```+|:::+)\{(?P<name>[\w-]+)\}\s*(?P<arg>.*?)\n"
                    r"(?P<body>.*?)^(?P=fence)\s*$", re.M | re.S)
-ROLE = re.compile(r"\{(?:ref|numref)\}`(?P<label>[^`<]+?)`")
+ROLE = re.compile(r"\{(?P<role>ref|numref)\}`(?:(?P<text>[^`<]*?)\s*<)?(?P<label>[\w-]+)>?`")
+#: How the site writes a {numref} to a section (Sphinx's numfig_format, _config*.yml)
+SECTION_FORMAT = {"en": "Section %s", "zh": "%s节"}
 LABEL = re.compile(r"^\((?P<label>[\w-]+)\)=\s*\n(?:#+\s*(?P<title>.+))?", re.M)
 FIG_NAME = re.compile(r"^:name:\s*(\S+)", re.M)
 
@@ -193,6 +195,39 @@ def label_titles(lang: str) -> dict[str, str]:
             if m["name"] == "figure" and (name := FIG_NAME.search(m["body"])):
                 titles[name[1]] = {"en": "the figure", "zh": "图"}[lang]
     return titles
+
+
+def label_numbers(lang: str) -> dict[str, str]:
+    """The label that opens each page of the numbered toc → its number, as the site
+    shows it: chapters ``3``, their sections ``3.2`` (the tocs' ``numbered``)."""
+    toc = yaml.safe_load((ROOT / EDITIONS[lang][1]).read_text(encoding="utf8"))
+    numbers = {}
+
+    def first_label(entry: str) -> str | None:
+        text = (ROOT / f"{entry}.md").read_text(encoding="utf8")
+        m = LABEL.search(text)
+        heading = re.search(r"^#+ ", text, re.M)
+        return m["label"] if m and (heading is None or m.start() < heading.start()) else None
+
+    for i, chapter in enumerate(toc.get("chapters") or [], 1):
+        if label := first_label(chapter["file"]):
+            numbers[label] = str(i)
+        for j, section in enumerate(chapter.get("sections") or [], 1):
+            if label := first_label(section["file"]):
+                numbers[label] = f"{i}.{j}"
+    return numbers
+
+
+def cross_reference(m: re.Match, lang: str, titles: dict[str, str],
+                    numbers: dict[str, str]) -> str:
+    """What a {ref} or {numref} role reads as in a notebook: its own text, the number the
+    site shows (``第3章``, ``2.1节``, ``Section 2.1``), or else the title, in italics."""
+    label, text, number = m["label"], m["text"], numbers.get(m["label"])
+    if m["role"] == "numref" and number:
+        return (text or SECTION_FORMAT[lang]).replace("%s", number).replace("{number}", number)
+    if text and "%s" not in text:
+        return text
+    return f"*{titles.get(label, label)}*"
 
 
 GLUE = re.compile(r"\{glue(?::text)?\}`(?P<key>[\w-]+)(?::(?P<spec>[^`]*))?`")
@@ -260,7 +295,8 @@ def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str],
         return m[0]
 
     text = FENCE.sub(directive, text)
-    text = ROLE.sub(lambda m: f"*{titles.get(m['label'], m['label'])}*", text)
+    numbers = label_numbers(lang)
+    text = ROLE.sub(lambda m: cross_reference(m, lang, titles, numbers), text)
     text = GLUE.sub(lambda m: paste(values or {}, m["key"], m["spec"]), text)
     return re.sub(r"^\([\w-]+\)=[ \t]*\n", "", text, flags=re.M)   # drop (label)= lines
 
