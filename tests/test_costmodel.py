@@ -72,3 +72,17 @@ def test_every_link_has_a_typical_latency_in_a_plausible_order():
     crossover = ((L_ring - L_tree) * lat[name]
                  / ((B_tree - B_ring) / costmodel.LINKS[name]))
     assert 1e5 < crossover < 1e7
+
+
+def test_break_even_batch_is_allreduce_time_over_backward_time_per_example():
+    # by hand: ring of 4, 1 MB, α = 10 µs, 1 GB/s, 1 ms of backward per example:
+    # T = 2·3·10e-6 + 2·3/4·1e6/1e9 = 60e-6 + 1.5e-3 = 1.56e-3 s, so b* = 1.56
+    b = costmodel.break_even_batch(1e6, 4, 10e-6, 1e-9, 1e-3)
+    assert b == pytest.approx(1.56)
+    assert costmodel.break_even_batch(1e6, 4, 10e-6, 1e-9, 1e-3, algorithm="naive") \
+        == pytest.approx((6 * 10e-6 + 6 * 1e6 * 1e-9) / 1e-3)
+    # more bytes: a larger batch is needed; more compute per example: a smaller one
+    assert costmodel.break_even_batch(1e8, 4, 10e-6, 1e-9, 1e-3) > b
+    assert costmodel.break_even_batch(1e6, 4, 10e-6, 1e-9, 1e-2) < b
+    with pytest.raises(ValueError, match="must be positive"):
+        costmodel.break_even_batch(1e6, 4, 10e-6, 1e-9, 0.0)

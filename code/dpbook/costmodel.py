@@ -21,7 +21,7 @@ from typing import Iterable, Mapping
 import numpy as np
 
 __all__ = ["ALGORITHMS", "coefficients", "predict", "relative_error", "fit", "bus_bandwidth",
-           "transfer_seconds", "LINKS", "LINK_LATENCY"]
+           "transfer_seconds", "break_even_batch", "LINKS", "LINK_LATENCY"]
 
 ALGORITHMS = ("naive", "ring", "tree")
 
@@ -63,6 +63,23 @@ def predict(algorithm: str, nbytes: float, world_size: int, alpha: float, beta: 
     """Seconds for one allreduce of ``nbytes`` by ``algorithm``, per the α–β model."""
     L, B = coefficients(algorithm, world_size, links)
     return L * alpha + B * nbytes * beta
+
+
+def break_even_batch(nbytes: float, world_size: int, alpha: float, beta: float,
+                     seconds_per_example: float, algorithm: str = "ring",
+                     links: str = "separate") -> float:
+    """The per-device batch ``b*`` whose backward pass lasts as long as the allreduce.
+
+    ``b* = T_allreduce / t``, with ``T_allreduce`` = :func:`predict` of ``nbytes`` (for
+    the ring: ``2 (N - 1) α + 2 (N - 1) / N · nbytes · β``) and ``t`` =
+    ``seconds_per_example``, the backward pass's time per example on one device. With a
+    per-device batch of at least ``b*``, an allreduce that overlaps the backward pass
+    (DDP's buckets) can hide behind it; below ``b*``, communication dominates the step.
+    More bytes raise ``b*``; more computation per example lowers it.
+    """
+    if seconds_per_example <= 0:
+        raise ValueError(f"seconds_per_example must be positive, got {seconds_per_example}")
+    return predict(algorithm, nbytes, world_size, alpha, beta, links) / seconds_per_example
 
 
 def relative_error(measurements: Iterable[Mapping], alpha: float, beta: float,
