@@ -208,7 +208,7 @@ MINIMAL = ROOT / "code/dpbook/torch/ddp_minimal.py"
 def test_minimal_ddp_script_is_short_and_shown_whole():
     lines = MINIMAL.read_text(encoding="utf8").splitlines()
     assert len(lines) <= 30, f"{len(lines)} lines: the page promises a short script"
-    assert max(map(len, lines)) <= 88
+    assert max(map(len, lines)) <= 80         # fits the site's code column unwrapped
     for lang in ("en", "zh"):
         page = (ROOT / f"chapters/{lang}/concise/pytorch.md").read_text(encoding="utf8")
         assert ("```{literalinclude} ../../../code/dpbook/torch/ddp_minimal.py\n```"
