@@ -218,6 +218,17 @@ def label_numbers(lang: str) -> dict[str, str]:
     return numbers
 
 
+FOOTNOTE = re.compile(r"(?P<definition>^)?\[\^(?P<label>[\w-]+)\](?(definition):)", re.M)
+
+
+def footnote_numbers(source: Path) -> dict[str, int]:
+    """A page's footnote labels, numbered in the order they are first referenced."""
+    numbers: dict[str, int] = {}
+    for m in re.finditer(r"\[\^([\w-]+)\](?!:)", source.read_text(encoding="utf8")):
+        numbers.setdefault(m[1], len(numbers) + 1)
+    return numbers
+
+
 def cross_reference(m: re.Match, lang: str, titles: dict[str, str],
                     numbers: dict[str, str]) -> str:
     """What a {ref} or {numref} role reads as in a notebook: its own text, the number the
@@ -297,6 +308,9 @@ def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str],
     text = FENCE.sub(directive, text)
     numbers = label_numbers(lang)
     text = ROLE.sub(lambda m: cross_reference(m, lang, titles, numbers), text)
+    notes = footnote_numbers(source)     # Jupyter has no footnotes: numbered superscripts
+    text = FOOTNOTE.sub(lambda m: f"<sup>{notes[m['label']]}</sup>"
+                        + (" " if m["definition"] else ""), text)
     text = GLUE.sub(lambda m: paste(values or {}, m["key"], m["spec"]), text)
     return re.sub(r"^\([\w-]+\)=[ \t]*\n", "", text, flags=re.M)   # drop (label)= lines
 
