@@ -48,6 +48,9 @@ def test_chinese_edition_is_chinese(site):
     assert "chapters/zh/inside-ddp/accumulation" in pages("梯度累加")
     english = (site / "chapters/en/index.html").read_text(encoding="utf8")
     assert 'lang="en"' in english
+    # the dropdowns (package code on the concise page) say "click to show" in Chinese
+    concise = (site / "zh/chapters/zh/concise/pytorch.html").read_text(encoding="utf8")
+    assert "toggleHintShow = '点击展开'" in concise and 'dropdown' in concise
 
 
 def test_executed_outputs_are_on_the_site(site):

@@ -218,6 +218,11 @@ def label_numbers(lang: str) -> dict[str, str]:
     return numbers
 
 
+#: MyST boxes the generated notebooks show as a quotation (or <details> for a dropdown),
+#: with the title they get without one
+ADMONITIONS = {"admonition": {"en": "Note", "zh": "注意"}, "note": {"en": "Note", "zh": "注意"},
+               "tip": {"en": "Tip", "zh": "提示"}, "warning": {"en": "Warning", "zh": "警告"}}
+
 FOOTNOTE = re.compile(r"(?P<definition>^)?\[\^(?P<label>[\w-]+)\](?(definition):)", re.M)
 
 
@@ -303,6 +308,13 @@ def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str],
             return f"![{rel}]({raw_url(rel, lang)})\n\n*{content}*"
         if name == "dpbook-widget":
             return WIDGET_NOTE[lang].format(WIDGET_TITLES[arg][lang])
+        if name in ADMONITIONS:                    # a box: its body may hold directives
+            inner = FENCE.sub(directive, content)
+            title = arg or ADMONITIONS[name][lang]
+            if "dropdown" in options.get("class", ""):
+                return f"<details><summary>{title}</summary>\n\n{inner}\n\n</details>"
+            return "\n".join(f"> {line}".rstrip() for line in [f"**{title}**", ""]
+                             + inner.splitlines())
         return m[0]
 
     text = FENCE.sub(directive, text)
