@@ -73,3 +73,27 @@ def test_chinese_cross_references_read_as_numbers(path):
     写出了……"); {ref} stays only with its own text ({ref}`词汇表 <sec-glossary>`)."""
     bare = re.findall(r"\{ref\}`[\w-]+`", path.read_text(encoding="utf8"))
     assert not bare, bare
+
+
+def test_cjk_lines_are_joined_in_text_but_not_across_code():
+    """tools/dpbook_site.join_cjk_lines: a soft break or a space between CJK characters
+    goes; code and math stay whole and are not joined across; U+3000 stays."""
+    from types import SimpleNamespace
+
+    from docutils import nodes
+
+    import dpbook_site
+    para = nodes.paragraph("", "", nodes.Text("数据。"), nodes.Text("\n"), nodes.Text("这就是"),
+                           nodes.strong("", "小结。"), nodes.Text(" 这一节，使用 "),
+                           nodes.literal("", "torch"), nodes.Text(" 来\u3000\u3000做"))
+    doc = nodes.document(None, None)
+    doc += nodes.section("", para)
+    app = SimpleNamespace(config=SimpleNamespace(language="zh_CN"))
+    dpbook_site.join_cjk_lines(app, doc, "page")
+    assert para.astext() == "数据。这就是小结。这一节，使用 torch 来\u3000\u3000做"
+    english = nodes.paragraph("", "", nodes.Text("数据。"), nodes.Text("\n"), nodes.Text("这"))
+    doc2 = nodes.document(None, None)
+    doc2 += english
+    dpbook_site.join_cjk_lines(SimpleNamespace(config=SimpleNamespace(language="en")),
+                               doc2, "page")
+    assert english.astext() == "数据。\n这"             # the English edition is left alone

@@ -154,7 +154,8 @@ def on_page_context(app, pagename, templatename, context, doctree):
 
 
 CJK = "\u3000-\u303f\u4e00-\u9fff\uff00-\uffef"     # ideographs, CJK and full-width punctuation
-_CJK_GAP = re.compile(f"(?<=[{CJK}])\\s+(?=[{CJK}])")
+# a break or a space between two CJK characters; the ideographic space U+3000 is meant
+_CJK_GAP = re.compile(f"(?<=[{CJK}])[^\\S\u3000]+(?=[{CJK}])")
 
 
 def join_cjk_lines(app, doctree, docname):
@@ -166,10 +167,15 @@ def join_cjk_lines(app, doctree, docname):
         return
     skip = (nodes.literal, nodes.literal_block, nodes.math, nodes.math_block, nodes.raw,
             nodes.comment)
-    texts = [t for t in doctree.findall(nodes.Text)
-             if not any(isinstance(a, skip) for a in _ancestors(t))]
-    blocks = [_block(t) for t in texts]
-    strings = [_CJK_GAP.sub("", str(t)) for t in texts]
+    # every text node, in order; one inside code or math stays as it is and is a barrier:
+    # its neighbours are not joined across it ("使用 `torch` 来" keeps both spaces)
+    texts, blocks = [], []
+    for t in doctree.findall(nodes.Text):
+        skipped = any(isinstance(a, skip) for a in _ancestors(t))
+        texts.append(t)
+        blocks.append(None if skipped else _block(t))
+    strings = [str(t) if b is None else _CJK_GAP.sub("", str(t))
+               for t, b in zip(texts, blocks)]
     ends_cjk = lambda x: re.search(f"[{CJK}]$", x) is not None
     starts_cjk = lambda x: re.match(f"[{CJK}]", x) is not None
     for i in range(1, len(texts)):
@@ -223,18 +229,20 @@ def mathjax_files(out: Path) -> Path:
     """MathJax 3 for the site, so that formulas render offline and wherever jsDelivr is
     slow or blocked: its TeX/MathML-to-HTML bundle and that output's web fonts, copied from
     the pinned ``django-static-mathjax`` wheel (requirements.txt; no Django needed) into
-    ``out/mathjax/``. Returns ``out``, a folder for ``html_static_path``."""
+    ``out/mathjax/``, with the parts it loads on demand. Returns ``out``, a folder for ``html_static_path``."""
     import importlib.util
     spec = importlib.util.find_spec("mathjax")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("MathJax's files are missing: pip install -r requirements.txt "
                            "(django-static-mathjax)")
     es5 = Path(spec.submodule_search_locations[0]) / "static" / "mathjax" / "es5"
-    fonts = Path("output") / "chtml" / "fonts" / "woff-v2"
-    (out / "mathjax" / fonts).mkdir(parents=True, exist_ok=True)
+    (out / "mathjax").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(es5 / Path(MATHJAX).name, out / MATHJAX)
-    for font in (es5 / fonts).glob("*.woff"):
-        shutil.copyfile(font, out / "mathjax" / fonts / font.name)
+    # what the bundle loads on demand: TeX extensions (\boldsymbol, \color, mathtools...),
+    # the menu and accessibility parts, and the CHTML fonts (about 3 MB; not the speech
+    # engine, off unless a reader turns it on in the menu, nor the SVG output)
+    for part in ("input", "ui", "a11y", "adaptors", Path("output") / "chtml"):
+        shutil.copytree(es5 / part, out / "mathjax" / part, dirs_exist_ok=True)
     return out
 
 

@@ -226,11 +226,31 @@ ADMONITIONS = {"admonition": {"en": "Note", "zh": "注意"}, "note": {"en": "Not
 FOOTNOTE = re.compile(r"(?P<definition>^)?\[\^(?P<label>[\w-]+)\](?(definition):)", re.M)
 
 
+#: what footnote syntax must not touch: fenced blocks, inline code and math
+CODE = re.compile(r"^(```+|:::+)[^\n]*\n.*?^\1[ \t]*$|`[^`\n]+`|\$\$.*?\$\$|\$[^$\n]+\$",
+                  re.M | re.S)
+
+
+def outside_code(text: str, fn) -> str:
+    """``fn`` applied to the parts of ``text`` outside code and math (see ``CODE``)."""
+    parts, last = [], 0
+    for m in CODE.finditer(text):
+        parts += [fn(text[last:m.start()]), m[0]]
+        last = m.end()
+    return "".join(parts + [fn(text[last:])])
+
+
 def footnote_numbers(source: Path) -> dict[str, int]:
-    """A page's footnote labels, numbered in the order they are first referenced."""
+    """A page's footnote labels, numbered in the order they are first referenced (in its
+    prose: code cells, code spans and math are not looked at)."""
     numbers: dict[str, int] = {}
-    for m in re.finditer(r"\[\^([\w-]+)\](?!:)", source.read_text(encoding="utf8")):
-        numbers.setdefault(m[1], len(numbers) + 1)
+
+    def count(part: str) -> str:
+        for m in re.finditer(r"\[\^([\w-]+)\](?!:)", part):
+            numbers.setdefault(m[1], len(numbers) + 1)
+        return part
+
+    outside_code(source.read_text(encoding="utf8"), count)
     return numbers
 
 
@@ -321,8 +341,9 @@ def convert_markdown(text: str, source: Path, lang: str, titles: dict[str, str],
     numbers = label_numbers(lang)
     text = ROLE.sub(lambda m: cross_reference(m, lang, titles, numbers), text)
     notes = footnote_numbers(source)     # Jupyter has no footnotes: numbered superscripts
-    text = FOOTNOTE.sub(lambda m: f"<sup>{notes[m['label']]}</sup>"
-                        + (" " if m["definition"] else ""), text)
+    text = outside_code(text, lambda part: FOOTNOTE.sub(
+        lambda m: (f"<sup>{notes[m['label']]}</sup>" + (" " if m["definition"] else ""))
+        if m["label"] in notes else m[0], part))
     text = GLUE.sub(lambda m: paste(values or {}, m["key"], m["spec"]), text)
     return re.sub(r"^\([\w-]+\)=[ \t]*\n", "", text, flags=re.M)   # drop (label)= lines
 

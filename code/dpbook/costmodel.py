@@ -140,8 +140,9 @@ LINKS = {
 #: model: typical orders of magnitude, not measurements — software, driver and NIC decide
 #: as much as the wire. The GPU links and InfiniBand follow NCCL's own α–β model
 #: (``hwLat`` in NCCL's ``src/graph/tuning.cc``: seconds per ring step, Simple protocol:
-#: NVLink 3.4 µs, PCIe 5.7 µs, network 9.6 µs; NCCL adds one fixed launch cost per
-#: collective on top).
+#: NVLink 3.4 µs, PCIe 5.7 µs, network 9.6 µs in the NCCL 2.x release read for this
+#: table; later releases raise the network's to 14 µs; NCCL adds one fixed launch cost
+#: per collective on top).
 LINK_LATENCY = {
     # A step over PCIe between two GPUs (NCCL: 5.7 µs). PCIe's generations double the
     # bandwidth; the latency of a message stays about the same.

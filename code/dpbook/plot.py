@@ -157,7 +157,8 @@ class Animator:
 
 
 def _plain(v: float) -> str:
-    """A tick label without exponents: ``128``, ``0.5``."""
+    """A plain tick label: ``128`` for a whole number, else ``format(v, "g")`` (``0.5``;
+    very small or large values still get an exponent)."""
     return str(int(v)) if float(v).is_integer() else f"{v:g}"
 
 
