@@ -169,8 +169,12 @@ def test_chinese_text_renders_with_a_cjk_font(server, page, name):
                                             ("梯度累加", "inside-ddp/accumulation")])
 def test_chinese_search_finds_pages(server, page, query, chapter):
     page.goto(server + f"zh/search.html?q={query}", wait_until="load")
+    # Sphinx lists the results one by one, then says how many it found: wait for that
+    # (reading the list at its first entry missed pages ranked further down)
+    page.wait_for_function("() => /\\d/.test(document.querySelector("
+                           "'#search-results .search-summary')?.textContent || '')",
+                           timeout=20_000)
     results = page.locator("#search-results ul.search li")
-    results.first.wait_for(timeout=20_000)
     links = results.locator("a").evaluate_all("els => els.map(e => e.href)")
     assert links and all(link.startswith(server + "zh/chapters/zh/") for link in links), links
     assert all(_status(urldefrag(link)[0]) == 200 for link in links)
