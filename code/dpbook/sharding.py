@@ -17,11 +17,19 @@ stage     sharded over the N devices             communication per step (ring)
 (values sent by each device, times the bytes of one value). Mixed precision keeps 16-bit
 parameters and gradients for compute and communication, and float32 master weights beside
 Adam's float32 moments: 2 + 2 + (4 + 4 + 4) = 16 bytes per parameter, the paper's "16Ψ".
+
+None of that counts the activations: the values the forward pass keeps for the backward
+pass. They grow with the per-device batch, not with N, and ZeRO does not shard them.
+:func:`activation_bytes` is the count for any network, from the values it keeps per
+example; :func:`transformer_activation_bytes` is the per-layer estimate of Korthikanti et
+al. (2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.1),
+with and without full activation checkpointing (recomputation).
 """
 from __future__ import annotations
 
 __all__ = ["STAGES", "PRECISIONS", "bytes_per_parameter", "memory_per_device",
-           "devices_to_fit", "values_sent", "collective_seconds", "step_seconds"]
+           "devices_to_fit", "values_sent", "collective_seconds", "step_seconds",
+           "activation_bytes", "transformer_activation_bytes"]
 
 STAGES = (0, 1, 2, 3)
 
@@ -61,19 +69,31 @@ def memory_per_device(num_params: int, stage: int, world_size: int,
 
 
 def devices_to_fit(num_params: int, budget_bytes: float, stage: int,
-                   precision: str = "float32", max_devices: int = 1 << 20) -> int | None:
+                   precision: str = "float32", max_devices: int = 1 << 20,
+                   activations: float = 0.0) -> int | None:
     """The fewest devices on which ``stage`` fits ``num_params`` into ``budget_bytes`` per
     device, or ``None`` if no number of devices does (stages 0–2 keep a part whole).
+    ``activations`` is the bytes of activations on each device (for its per-device batch,
+    e.g. from :func:`transformer_activation_bytes`); more devices do not shrink them.
 
     >>> devices_to_fit(1000, 10_000, 1), devices_to_fit(1000, 10_000, 0)
     (4, None)
+    >>> devices_to_fit(1000, 10_000, 3, activations=6_000)
+    4
     """
-    if memory_per_device(num_params, stage, max_devices, precision)["total"] > budget_bytes:
+    if activations < 0:
+        raise ValueError(f"activations must be >= 0 bytes, got {activations}")
+
+    def fits(n: int) -> bool:
+        state = memory_per_device(num_params, stage, n, precision)["total"]
+        return state + activations <= budget_bytes
+
+    if not fits(max_devices):
         return None
     lo, hi = 1, max_devices            # memory falls as devices are added: bisect
     while lo < hi:
         mid = (lo + hi) // 2
-        if memory_per_device(num_params, stage, mid, precision)["total"] <= budget_bytes:
+        if fits(mid):
             hi = mid
         else:
             lo = mid + 1
@@ -123,3 +143,48 @@ def step_seconds(num_params: int, stage: int, world_size: int, alpha: float, bet
         raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage}")
     return layers * one if world_size > 1 else 0.0
 
+
+
+def activation_bytes(values_per_example: int, batch: int, bytes_per_value: int = 4) -> float:
+    """Bytes of activations kept for the backward pass on one device: ``values_per_example``
+    values kept per example (from the layers' shapes), times the per-device ``batch``, times
+    ``bytes_per_value`` (4 in float32, 2 in 16 bits). Linear in the batch: the batch, not
+    the model, decides how much of the memory activations take.
+
+    >>> activation_bytes(1000, 32)
+    128000
+    """
+    for name, value in (("values_per_example", values_per_example), ("batch", batch),
+                        ("bytes_per_value", bytes_per_value)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    return values_per_example * batch * bytes_per_value
+
+
+def transformer_activation_bytes(seq_len: int, batch: int, hidden: int, heads: int,
+                                 layers: int, checkpoint: bool = False) -> float:
+    """Bytes of activations of ``layers`` transformer layers in 16-bit training, per device.
+
+    Korthikanti et al. (2022), section 4.1: one layer keeps s·b·h·(34 + 5·a·s/h) bytes
+    for sequence length s, per-device batch b, hidden size h and a attention heads (16-bit
+    values, 1-byte dropout masks, attention scores materialized; no tensor parallelism).
+    The 5·a·s/h term, the s×s attention scores, is what fused (flash) attention removes.
+    With full activation ``checkpoint`` ing only each layer's input is kept, 2·s·b·h bytes
+    per layer (the paper's section 4.2), and during the backward pass one layer at a time
+    is recomputed, which holds that layer's activations once more: the peak counted here.
+    Embeddings, the output logits and the loss are not counted.
+
+    >>> transformer_activation_bytes(2048, 1, 4096, 32, 32) / 1e9
+    30.601641984
+    """
+    for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden),
+                        ("heads", heads), ("layers", layers)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if hidden % heads:
+        raise ValueError(f"hidden ({hidden}) must divide by heads ({heads})")
+    s, b, h, a = seq_len, batch, hidden, heads
+    per_layer = s * b * h * 34 + 5 * a * s * s * b        # s·b·h·(34 + 5·a·s/h)
+    if checkpoint:
+        return layers * 2 * s * b * h + per_layer
+    return layers * per_layer

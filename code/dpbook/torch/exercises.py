@@ -636,3 +636,43 @@ def check_ring_allreduce(fn: Callable[[torch.Tensor], object], bidirectional: bo
 
     return run_check("bidirectional_ring" if bidirectional else "ring_allreduce", cases,
                      run_case, quiet)
+
+
+__all__ += ["check_mlp_activations"]
+
+
+def check_mlp_activations(fn: Callable[[Sequence[int], int], int], quiet: bool = False
+                          ) -> Failure | None:
+    """Check ``fn(widths, batch)``, the bytes of activations that autograd saves for the
+    backward pass of a float32 MLP ``Linear(widths[0], widths[1]), ReLU, …,
+    Linear(widths[-2], widths[-1])`` on ``batch`` examples (the loss not included),
+    against the bytes measured with ``saved_tensors_hooks``
+    (:func:`dpbook.torch.memory.saved_bytes`)."""
+    from .memory import saved_bytes
+
+    cases = [(f"widths {widths}, batch {b}", (widths, b))
+             for widths in ((4, 2), (4, 8, 2), (3, 5, 7, 2), (6, 16, 16, 16, 3))
+             for b in (1, 3)]
+
+    def run_case(case):
+        widths, b = case
+        layers: list[torch.nn.Module] = []
+        for i in range(len(widths) - 1):
+            layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
+            if i < len(widths) - 2:
+                layers.append(torch.nn.ReLU())
+        with seeded(0):
+            net = torch.nn.Sequential(*layers)
+            X = torch.randn(b, widths[0])
+        want = saved_bytes(net, X)
+        got = fn(tuple(widths), b)
+        if got == want:
+            return None
+        seen = f"{got} bytes, measured {want}"
+        if got == want - 4 * b * widths[0]:
+            return Failure("mlp-saved-input", seen)
+        if got * b == want:
+            return Failure("mlp-saved-batch", seen)
+        return Failure("mlp-saved-count", seen)
+
+    return run_check("mlp_activations", cases, run_case, quiet)

@@ -1,0 +1,144 @@
+"""Activation memory in PyTorch, measured: the peak of a training step (the profiler's
+memory events on the CPU, the allocator's statistics on CUDA), the bytes autograd saves
+for the backward pass (``saved_tensors_hooks``), the values a model's layers produce per
+example (the input of :func:`dpbook.sharding.activation_bytes`), and activation
+checkpointing per block (``torch.utils.checkpoint``, non-reentrant)."""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.checkpoint import checkpoint
+
+from .models import Residual
+
+__all__ = ["peak_bytes", "saved_bytes", "layer_output_values", "step_peak",
+           "Checkpointed", "checkpoint_blocks", "train_sgd"]
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """Run ``fn()`` once and return the most bytes it had allocated at one time on
+    ``device``, above what was allocated when it started.
+
+    On CUDA the caching allocator counts: ``torch.cuda.max_memory_allocated`` after
+    ``reset_peak_memory_stats``. On the CPU no allocator keeps statistics, so the
+    profiler records every allocation and free (``profile_memory=True``) and we add them
+    up in time order."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    if device.type != "cpu":
+        raise ValueError(f"peak_bytes measures 'cpu' or 'cuda' devices, got {device}")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
+    events.sort(key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:                      # + allocation, - free
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+def saved_bytes(net: nn.Module, X: torch.Tensor, y: torch.Tensor | None = None) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward pass of
+    ``cross_entropy(net(X), y)`` (of ``net(X)`` alone without ``y``), parameters excluded:
+    the activations. A tensor saved by two operations (a ReLU's output, which the next
+    layer saves as its input) counts once, as do views of one storage."""
+    params = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = net(X)
+        if y is not None:
+            F.cross_entropy(out, y)
+    return sum(seen.values())
+
+
+def layer_output_values(net: nn.Module, example: torch.Tensor) -> int:
+    """Values per example that the model of :mod:`dpbook.sharding` counts: the input plus
+    the output of every leaf module (a layer with no sub-modules), for one ``example``
+    of shape ``(1, ...)``. Functions called in a ``forward`` (``F.relu``, the residual
+    addition) are not modules and are not counted."""
+    if example.shape[0] != 1:
+        raise ValueError(f"pass one example, shape (1, ...), got {tuple(example.shape)}")
+    total = [example.numel()]
+    hooks = [m.register_forward_hook(lambda m, i, out: total.append(out.numel()))
+             for m in net.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            net(example)
+    finally:
+        for h in hooks:
+            h.remove()
+    return sum(total)
+
+
+def step_peak(net: nn.Module, X: torch.Tensor, y: torch.Tensor) -> int:
+    """Peak bytes of one forward and backward pass of ``net`` above what was held before
+    it (the parameters, the batch): activations, temporaries and the new gradients."""
+    net.zero_grad(set_to_none=True)
+
+    def step():
+        F.cross_entropy(net(X), y).backward()
+
+    return peak_bytes(step, X.device)
+
+
+class Checkpointed(nn.Module):
+    """Run ``block`` under activation checkpointing: the forward pass keeps only the
+    block's input; the backward pass runs the block again to get what it needs
+    (``torch.utils.checkpoint.checkpoint``, ``use_reentrant=False``, PyTorch's
+    recommended form)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, X: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, X, use_reentrant=False)
+
+
+def checkpoint_blocks(net: nn.Module, block_type: type[nn.Module] = Residual) -> nn.Module:
+    """A copy of ``net`` in which every ``block_type`` module (by default ResNet's
+    ``Residual``) runs under :class:`Checkpointed`. The parameters are copies, in the
+    same order: ``parameters()`` of both models pair up."""
+    net = copy.deepcopy(net)
+
+    def wrap(module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, block_type):
+                setattr(module, name, Checkpointed(child))
+            else:
+                wrap(child)
+
+    if isinstance(net, block_type):
+        return Checkpointed(net)
+    wrap(net)
+    return net
+
+
+def train_sgd(net: nn.Module, batches, lr: float = 0.05) -> nn.Module:
+    """A few steps of plain SGD on ``batches`` (pairs ``(X, y)``), in place."""
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    for X, y in batches:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(net(X), y).backward()
+        opt.step()
+    return net
