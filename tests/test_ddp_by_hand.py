@@ -1,7 +1,9 @@
 """DDP by hand (dpbook.torch.ddp_by_hand): every wrapper equals DDP after several steps on
 2 and 3 gloo processes, on any model (tied weights, frozen layers, ranks seeded
 differently, a layer only rank 0 uses), with and without accumulation under ``no_sync``,
-with the allreduce calls and bytes each one should make; the buckets follow DDP's rule."""
+with the allreduce calls and bytes each one should make, whether a callback at the end of
+backward finishes the synchronization (a loop with no extra call, as DDP's) or the loop
+calls ``finish_gradient_synchronization``; the buckets follow DDP's rule."""
 from __future__ import annotations
 
 import contextlib
@@ -25,15 +27,16 @@ def _grad_params(kind: str) -> list[nn.Parameter]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("nprocs, kind, micro_batches", [
-    (2, "mlp", 1), (3, "mlp", 2), (2, "tied", 2),
-    (3, "branch", 2)])                   # branch: a layer used on rank 0 only
-def test_every_wrapper_equals_ddp(nprocs, kind, micro_batches):
+@pytest.mark.parametrize("nprocs, kind, micro_batches, explicit", [
+    (2, "mlp", 1, False), (2, "mlp", 1, True), (3, "mlp", 2, False), (2, "tied", 2, True),
+    (3, "branch", 2, False), (3, "branch", 2, True)])   # branch: a layer used on rank 0 only
+def test_every_wrapper_equals_ddp(nprocs, kind, micro_batches, explicit):
     # micro_batches=2: two backward passes per step, the first inside no_sync().
+    # explicit=False: the loop calls nothing after backward (the callback finishes).
     # branch: a wrapper that launched its allreduces in a rank-dependent order would
     # hang (the timeout fails the test) or abort ("collective mismatch", with gloo)
     r = ddp_by_hand.compare(nprocs, NAMES, kind=kind, steps=4, bucket_cap_mb=0.01,
-                              micro_batches=micro_batches, timeout=150)
+                              micro_batches=micro_batches, explicit=explicit, timeout=150)
     assert r["moved"] > 1e-3                              # the steps did move
     for name in NAMES:                                    # float32 rounding only
         assert r[name]["max_difference"] < 1e-5 * max(1.0, r["moved"]), (name, r[name])
@@ -126,7 +129,8 @@ def test_mixed_dtypes_no_sync_and_a_second_backward(one_process_group):
     plain = _Mixed()
     _two_micro_batches(plain, X)
     for name, backward_inside in itertools.product(NAMES, (True, False)):
-        model = ddp_by_hand.wrap(name, _Mixed(), bucket_cap_mb=25)   # one cap, two dtypes
+        model = ddp_by_hand.wrap(name, _Mixed(), bucket_cap_mb=25,    # one cap, two dtypes
+                                 finish_in_backward=False)            # the loop finishes
         _two_micro_batches(model, X, model.finish_gradient_synchronization, backward_inside)
         for p, q in zip(model.module.parameters(), plain.parameters()):
             assert p.grad.dtype == p.dtype and torch.equal(p.grad, q.grad), name  # no cast
@@ -134,3 +138,86 @@ def test_mixed_dtypes_no_sync_and_a_second_backward(one_process_group):
             model(X).sum().backward()
             with pytest.raises(RuntimeError, match="no_sync"):
                 model(X).sum().backward()
+
+
+def test_the_callback_finishes_each_backward_and_no_sync_queues_none(one_process_group):
+    X = torch.randn(6, 8, dtype=torch.float64)
+    plain = _Mixed()
+    _two_micro_batches(plain, X)
+    for name, backward_inside in itertools.product(NAMES, (True, False)):
+        model = ddp_by_hand.wrap(name, _Mixed(), bucket_cap_mb=25)   # the callback
+        with model.no_sync():
+            loss = model(X[:3]).square().sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        assert model.calls == 0 and not model._queued, name     # nothing queued or sent
+        model(X[3:]).square().sum().backward()                  # no call after it
+        calls = model.calls
+        assert calls > 0 and not model._pending, name           # finished in backward
+        model.finish_gradient_synchronization()                 # the explicit call: no-op
+        assert model.calls == calls, name
+        for p, q in zip(model.module.parameters(), plain.parameters()):
+            assert p.grad.dtype == p.dtype and torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.timeout(120)
+def test_two_synchronized_backwards_add_up_as_with_ddp():
+    # with the callback each backward is finished before the next one adds to .grad,
+    # so a second backward outside no_sync() is no longer refused: like DDP, it adds
+    # the second mean to the first (here on 2 processes, against DDP)
+    r = ddp_by_hand.compare(2, NAMES, kind="mlp", steps=2, bucket_cap_mb=0.01,
+                            micro_batches=2, timeout=100, no_sync=False)
+    for name in NAMES:
+        assert r[name]["max_difference"] < 1e-5, (name, r[name])
+
+
+# ---------------------------------------------------------------- the checked exercise
+
+def _right_callback(finish):
+    queued = False
+
+    def end_of_backward():
+        nonlocal queued
+        queued = False
+        finish()
+
+    def hook(p):
+        nonlocal queued
+        if not queued:
+            queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
+    return hook
+
+
+def _never_reset(finish):                  # the page's first attempt
+    queued = [False]
+
+    def hook(p):
+        if not queued[0]:
+            queued[0] = True
+            torch.autograd.Variable._execution_engine.queue_callback(finish)
+    return hook
+
+
+def _every_gradient(finish):               # queued once per parameter
+    return lambda p: torch.autograd.Variable._execution_engine.queue_callback(finish)
+
+
+def _from_the_hook(finish):                # finishes before the last gradient is final
+    return lambda p: finish()
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_finish_callback_exercise(lang, monkeypatch, capsys):
+    from dpbook import exercises
+    from dpbook.torch import exercises as torch_exercises
+    monkeypatch.setenv("DPBOOK_LANG", lang)
+    assert torch_exercises.check_finish_callback(_right_callback) is None
+    for wrong, hint in [(_never_reset, "callback-reset"), (_every_gradient, "callback-once"),
+                        (_from_the_hook, "callback-early")]:
+        capsys.readouterr()
+        failure = torch_exercises.check_finish_callback(wrong)
+        assert failure is not None and failure.hint == hint, (wrong.__name__, failure)
+        assert exercises.HINTS[hint][lang] in capsys.readouterr().out

@@ -3,17 +3,19 @@
 Each wrapper is an ``nn.Module`` around any model. Like DDP it broadcasts rank 0's
 parameters and buffers when it is built (so processes seeded differently start equal),
 synchronizes only the parameters that need a gradient, and counts a parameter shared by
-two layers (tied weights) once. The training loop calls
-:meth:`~DataParallel.finish_gradient_synchronization` after ``backward()`` and before the
-optimizer step; afterwards every process holds the *mean* of the processes' gradients.
-To accumulate gradients over micro-batches, run all but the last backward inside
-:meth:`~DataParallel.no_sync`, as with DDP::
+two layers (tied weights) once. After ``backward()`` every process holds the *mean* of
+the processes' gradients: the first gradient hook of a backward queues a callback in
+autograd's engine, which runs at the end of that backward and calls
+:meth:`~DataParallel.finish_gradient_synchronization`, as DDP's reducer does, so the
+training loop looks like DDP's. With ``finish_in_backward=False`` the loop calls that
+method itself after ``backward()`` (the teaching step before the callback); called after
+the callback has run, it does nothing. To accumulate gradients over micro-batches, run
+all but the last backward inside :meth:`~DataParallel.no_sync`, as with DDP::
 
     model = BucketedDataParallel(net, bucket_cap_mb=1)
     with model.no_sync():
         loss_fn(model(X1), y1).backward()      # gradients accumulate locally
-    loss_fn(model(X2), y2).backward()
-    model.finish_gradient_synchronization()
+    loss_fn(model(X2), y2).backward()          # sends; the callback waits at its end
     optimizer.step()
 
 ==============================  ===========================  ==========================
@@ -45,6 +47,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -60,9 +63,12 @@ __all__ = ["DataParallel", "PerParameterDataParallel", "FlatDataParallel",
 
 class DataParallel(nn.Module):
     """What the four wrappers share: broadcast at construction, the parameters to
-    synchronize, the counters, ``forward``, ``no_sync`` and the gradient hooks."""
+    synchronize, the counters, ``forward``, ``no_sync``, the gradient hooks and the
+    callback that finishes the synchronization at the end of backward (unless
+    ``finish_in_backward`` is False: then the training loop calls
+    :meth:`finish_gradient_synchronization`)."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, finish_in_backward: bool = True):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
@@ -76,9 +82,15 @@ class DataParallel(nn.Module):
         self.require_backward_grad_sync = True     # False inside no_sync()
         self._sync_backward = True             # decided in forward, as DDP does
         self._arrived: set[int] = set()        # parameters whose gradient is final
+        self.finish_in_backward = finish_in_backward
+        self._queued = False                   # the callback of this backward is queued
+        self._pending = False                  # gradients to synchronize
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_gradient)
 
     def forward(self, *args, **kwargs):
         self._sync_backward = self.require_backward_grad_sync
+        self._pending |= self._sync_backward
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -92,21 +104,6 @@ class DataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = True
 
-    def _hook_gradients(self) -> None:
-        """(c) and (d): call ``self._ready(p)`` once ``p.grad`` is final, once per
-        synchronization."""
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_gradient)
-
-    def _on_gradient(self, p: nn.Parameter) -> None:
-        if not self._sync_backward:
-            return                             # forward ran in no_sync(): accumulate
-        if id(p) in self._arrived:
-            raise RuntimeError("a second backward() before the synchronization: run the "
-                               "earlier micro-batches' forward inside model.no_sync()")
-        self._arrived.add(id(p))
-        self._ready(p)
-
     def _allreduce(self, tensor: torch.Tensor, async_op: bool = False):
         """Average ``tensor`` over the processes, in place (scale by 1/N, then sum)."""
         self.calls += 1
@@ -115,8 +112,41 @@ class DataParallel(nn.Module):
         return dist.all_reduce(tensor, async_op=async_op)
 
     def finish_gradient_synchronization(self) -> None:
-        """Wait until every parameter's ``.grad`` holds the mean over the processes."""
+        """Wait until every parameter's ``.grad`` holds the mean over the processes.
+        Does nothing when there is nothing to synchronize (the callback has already
+        finished, or every backward since ran inside ``no_sync()``)."""
+        if self._pending:
+            self._pending = False
+            self._finish()
+
+    def _finish(self) -> None:
+        """Send what is left and wait: each wrapper's own way."""
         raise NotImplementedError
+
+    def _ready(self, p: nn.Parameter) -> None:
+        """(c) and (d) start communicating here; (a) and (b) wait for the end."""
+
+    def _arrive(self, p: nn.Parameter) -> None:
+        """(c) and (d): note that ``p.grad`` is final, once per synchronization."""
+        if id(p) in self._arrived:
+            raise RuntimeError("a second backward() before the synchronization: run the "
+                               "earlier micro-batches' forward inside model.no_sync()")
+        self._arrived.add(id(p))
+
+    def _on_gradient(self, p: nn.Parameter) -> None:
+        """Autograd calls this once ``p.grad`` is final in a backward pass."""
+        if not self._sync_backward:
+            return                             # forward ran in no_sync(): accumulate
+        self._pending = True
+        if self.finish_in_backward and not self._queued:
+            self._queued = True                # the first gradient of this backward
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._ready(p)
+
+    def _end_of_backward(self) -> None:
+        """Autograd runs this after the last gradient of the backward pass."""
+        self._queued = False
+        self.finish_gradient_synchronization()
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
@@ -130,7 +160,7 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
 class PerParameterDataParallel(DataParallel):
     """(a) After ``backward()``: one allreduce per parameter, one after another."""
 
-    def finish_gradient_synchronization(self) -> None:
+    def _finish(self) -> None:
         for p in self.params:
             self._allreduce(_grad(p))
 
@@ -138,7 +168,7 @@ class PerParameterDataParallel(DataParallel):
 class FlatDataParallel(DataParallel):
     """(b) After ``backward()``: all gradients in one flat buffer, one allreduce."""
 
-    def finish_gradient_synchronization(self) -> None:
+    def _finish(self) -> None:
         grads = [_grad(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self._allreduce(flat)
@@ -151,20 +181,20 @@ class OverlapDataParallel(DataParallel):
     ``backward()`` has accumulated its gradient and its turn has come (the parameters in
     reverse order); the step waits for all of them."""
 
-    def __init__(self, module: nn.Module):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, finish_in_backward: bool = True):
+        super().__init__(module, finish_in_backward)
         self.order = self.params[::-1]         # launch order, the same on every process
         self._work: list = []                  # allreduces launched, in that order
-        self._hook_gradients()
 
     def _ready(self, p: nn.Parameter) -> None:
+        self._arrive(p)
         while len(self._work) < len(self.order):   # start all whose turn has come
             q = self.order[len(self._work)]
             if id(q) not in self._arrived:
                 break
             self._work.append(self._allreduce(q.grad, async_op=True))
 
-    def finish_gradient_synchronization(self) -> None:
+    def _finish(self) -> None:
         for p in self.order[len(self._work):]:  # the rest, in order (zeros if unused)
             self._work.append(self._allreduce(_grad(p), async_op=True))
         for work in self._work:
@@ -199,8 +229,9 @@ class BucketedDataParallel(DataParallel):
     gradient of a bucket is ready, and every bucket before it has started, the bucket's
     flat buffer starts its allreduce (asynchronously) while backward goes on."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25,
+                 finish_in_backward: bool = True):
+        super().__init__(module, finish_in_backward)
         self.buckets = make_buckets(self.params, bucket_cap_mb)
         self._place = {id(p): (i, j) for i, b in enumerate(self.buckets)
                        for j, p in enumerate(b)}          # parameter → (bucket, slot)
@@ -210,7 +241,6 @@ class BucketedDataParallel(DataParallel):
         self._offsets = [list(itertools.accumulate((p.numel() for p in b), initial=0))
                          for b in self.buckets]
         self._reset()
-        self._hook_gradients()
 
     def _reset(self) -> None:
         self._waiting = [len(b) for b in self.buckets]   # gradients still to come
@@ -221,6 +251,7 @@ class BucketedDataParallel(DataParallel):
         return self._buffers[i][self._offsets[i][j]:self._offsets[i][j + 1]]
 
     def _ready(self, p: nn.Parameter) -> None:
+        self._arrive(p)
         i, j = self._place[id(p)]
         self._slot(i, j).copy_(p.grad.reshape(-1))
         self._waiting[i] -= 1
@@ -229,7 +260,7 @@ class BucketedDataParallel(DataParallel):
             self._work.append(self._allreduce(self._buffers[n], async_op=True))
             n += 1
 
-    def finish_gradient_synchronization(self) -> None:
+    def _finish(self) -> None:
         for i in range(len(self._work), len(self.buckets)):   # the rest, in order
             for j, p in enumerate(self.buckets[i]):          # zeros if no gradient
                 self._slot(i, j).copy_(_grad(p).reshape(-1))
@@ -241,26 +272,29 @@ class BucketedDataParallel(DataParallel):
         self._reset()
 
 
-#: name → how to wrap a model (``bucket_cap_mb`` for the bucketed one and for DDP)
+#: name → how to wrap a model (``bucket_cap_mb`` for the bucketed one and for DDP;
+#: ``finish_in_backward`` for the four by hand: DDP always finishes in backward)
 WRAPPERS: dict[str, Callable[..., nn.Module]] = {
-    "per-parameter": lambda m, cap: PerParameterDataParallel(m),
-    "flat": lambda m, cap: FlatDataParallel(m),
-    "overlap": lambda m, cap: OverlapDataParallel(m),
-    "bucketed": lambda m, cap: BucketedDataParallel(m, cap),
-    "ddp": lambda m, cap: DDP(m, bucket_cap_mb=cap),
+    "per-parameter": lambda m, cap, fin: PerParameterDataParallel(m, fin),
+    "flat": lambda m, cap, fin: FlatDataParallel(m, fin),
+    "overlap": lambda m, cap, fin: OverlapDataParallel(m, fin),
+    "bucketed": lambda m, cap, fin: BucketedDataParallel(m, cap, fin),
+    "ddp": lambda m, cap, fin: DDP(m, bucket_cap_mb=cap),
 }
 
 
-def wrap(name: str, module: nn.Module, bucket_cap_mb: float = 25) -> nn.Module:
+def wrap(name: str, module: nn.Module, bucket_cap_mb: float = 25,
+         finish_in_backward: bool = True) -> nn.Module:
     """``module`` wrapped by the variant ``name`` (a key of :data:`WRAPPERS`)."""
     if name not in WRAPPERS:
         raise ValueError(f"unknown wrapper {name!r}; choose from {list(WRAPPERS)}")
-    return WRAPPERS[name](module, bucket_cap_mb)
+    return WRAPPERS[name](module, bucket_cap_mb, finish_in_backward)
 
 
 def sync_gradients(model: nn.Module) -> None:
-    """After ``backward()``: wait for a wrapper's gradient synchronization (DDP needs
-    nothing: it has already averaged the gradients during backward)."""
+    """After ``backward()``: wait for a wrapper's gradient synchronization. Needed only
+    with ``finish_in_backward=False``; otherwise (and for DDP) the gradients are already
+    averaged when backward returns, and this does nothing."""
     if isinstance(model, DataParallel):
         model.finish_gradient_synchronization()
 
@@ -305,10 +339,13 @@ def _model(kind: str, rank: int) -> nn.Module:
 
 
 def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, steps: int,
-                   bucket_cap_mb: float, micro_batches: int = 1) -> dict:
+                   bucket_cap_mb: float, micro_batches: int = 1, explicit: bool = False,
+                   no_sync: bool = True) -> dict:
     """Train ``kind`` for ``steps`` SGD steps with every wrapper in ``names`` and with DDP,
     each step ``micro_batches`` backward passes (all but the last inside ``no_sync``);
-    returns each wrapper's largest parameter difference from DDP and its counts."""
+    returns each wrapper's largest parameter difference from DDP and its counts. With
+    ``explicit``, the wrappers have no callback and the loop finishes the
+    synchronization itself. With ``no_sync=False`` every backward synchronizes."""
     with process_group(rank, world_size) as device:
         full_float32()                 # compared in float32: no TF32 on a GPU
         results, finals = {}, {}
@@ -316,7 +353,8 @@ def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, 
             module = _model(kind, rank).to(device)
             model = (DDP(module, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True)
                      if name == "ddp" and kind == "branch"
-                     else wrap(name, module, bucket_cap_mb))
+                     else wrap(name, module, bucket_cap_mb,
+                               finish_in_backward=not explicit))
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             shape = (1, 28, 28) if kind == "lenet" else (32,)
             for step in range(steps):                  # the same batches on every rank
@@ -325,10 +363,11 @@ def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, 
                 optimizer.zero_grad()
                 for i, (Xi, yi) in enumerate(zip(X.chunk(micro_batches),
                                                  y.chunk(micro_batches))):
-                    last = i == micro_batches - 1
+                    last = i == micro_batches - 1 or not no_sync
                     with contextlib.nullcontext() if last else model.no_sync():
                         (F.cross_entropy(model(Xi), yi) / micro_batches).backward()
-                sync_gradients(model)
+                if explicit:                   # the wrappers without their callback
+                    sync_gradients(model)
                 optimizer.step()
             inner = model.module
             finals[name] = [p.detach().cpu() for p in inner.parameters()]
@@ -345,16 +384,19 @@ def compare_worker(rank: int, world_size: int, names: Sequence[str], kind: str, 
 
 def compare(nprocs: int, names: Sequence[str] = ("per-parameter", "flat", "overlap", "bucketed"),
             kind: str = "mlp", steps: int = 5, bucket_cap_mb: float = 0.01,
-            micro_batches: int = 1, timeout: float = 120) -> dict:
+            micro_batches: int = 1, explicit: bool = False, no_sync: bool = True,
+            timeout: float = 120) -> dict:
     """Each wrapper in ``names`` against DDP on ``nprocs`` gloo processes, each step
-    ``micro_batches`` backward passes (all but the last inside ``no_sync``): ``{name:
+    ``micro_batches`` backward passes (all but the last inside ``no_sync``), the loop
+    with no call after backward (with ``explicit``: the wrappers without their callback,
+    and a call to ``finish_gradient_synchronization``): ``{name:
     {"max_difference", "calls_per_step", "bytes_per_step", "buckets"}, "moved": …}``
     (``moved``: how far DDP's parameters went from the start, to judge the differences)."""
     unknown = [n for n in names if n not in WRAPPERS or n == "ddp"]
     if unknown:
         raise ValueError(f"unknown wrapper(s) {unknown}; choose from {list(WRAPPERS)[:-1]}")
     return run(compare_worker, nprocs, list(names), kind, steps, bucket_cap_mb,
-               micro_batches, timeout=timeout)
+               micro_batches, explicit, no_sync, timeout=timeout)
 
 
 def bench_worker(rank: int, world_size: int, names: Sequence[str], batch_size: int,
@@ -375,8 +417,7 @@ def bench_worker(rank: int, world_size: int, names: Sequence[str], batch_size: i
 
         def step(model, optimizer):
             optimizer.zero_grad()
-            F.cross_entropy(model(X), y).backward()
-            sync_gradients(model)
+            F.cross_entropy(model(X), y).backward()   # finishes the synchronization
             optimizer.step()
 
         for model, optimizer in models.values():
