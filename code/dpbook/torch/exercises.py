@@ -19,7 +19,8 @@ from .models import seeded
 
 __all__ = ["check_replicate", "check_allreduce", "check_split_batch", "check_dp_step",
            "check_accumulation", "check_shard", "check_buckets", "check_two_bit",
-           "check_atomic_save", "check_ring_allreduce"]
+           "check_atomic_save", "check_ring_allreduce", "check_finish_callback",
+           "check_main_grad"]
 
 
 def _devices(k: int) -> list[torch.device]:
@@ -676,3 +677,89 @@ def check_mlp_activations(fn: Callable[[Sequence[int], int], int], quiet: bool =
         return Failure("mlp-saved-count", seen)
 
     return run_check("mlp_activations", cases, run_case, quiet)
+
+
+def check_finish_callback(fn: Callable[[Callable[[], None]], Callable], quiet: bool = False
+                          ) -> Failure | None:
+    """Check ``fn(finish)``, which returns a post-accumulate-grad hook ``hook(p)`` that
+    makes autograd call ``finish()`` exactly once per backward pass, after every gradient
+    of that pass is final (``torch.autograd.Variable._execution_engine.queue_callback``),
+    as :class:`dpbook.torch.ddp_by_hand.DataParallel` does: 1 to 3 backward passes of
+    models with 1 and 3 parameters."""
+    cases = [(f"{n} backward pass(es), {k} parameter(s)", (n, k))
+             for n in (1, 2, 3) for k in (1, 3)]
+
+    def run_case(case):
+        n, k = case
+        params = [torch.nn.Parameter(torch.full((2,), float(i + 1))) for i in range(k)]
+        arrived, calls = [0], []
+
+        def count(p):                          # runs before the reader's hook
+            arrived[0] += 1
+
+        def finish():
+            calls.append(arrived[0])           # gradients final when finish ran
+
+        hook = fn(finish)
+        for p in params:
+            p.register_post_accumulate_grad_hook(count)
+            p.register_post_accumulate_grad_hook(hook)
+        for i in range(n):
+            arrived[0], calls[:] = 0, []
+            x = torch.ones(2)
+            for p in params:                   # a chain: every parameter gets a gradient
+                x = x * p
+            x.sum().backward()
+            seen = f"backward pass {i + 1}: finish() ran {len(calls)} time(s), when " \
+                   f"{calls} of the {k} gradients were final"
+            if any(c < k for c in calls) or (not calls and i == 0):
+                return Failure("callback-early", seen)
+            if len(calls) > 1:
+                return Failure("callback-once", seen)
+            if not calls:
+                return Failure("callback-reset", seen)
+        return None
+
+    return run_check("finish_callback", cases, run_case, quiet)
+
+
+def check_main_grad(fn: Callable[[torch.nn.Parameter], object], quiet: bool = False
+                    ) -> Failure | None:
+    """Check ``fn(p)``, a post-accumulate-grad hook on the bfloat16 parameters of a model
+    that adds each micro-batch's ``p.grad`` to the float32 buffer ``p.main_grad`` and
+    frees ``p.grad``, as Megatron and picotron do: after k backward passes ``main_grad``
+    must hold the sum of the k bfloat16 gradients, added in float32 (within 1e-5 of the
+    float64 sum, relative to its largest entry), and no ``p.grad`` is left."""
+    cases = [(f"{k} micro-batch(es)", k) for k in (1, 2, 8, 64)]
+
+    def run_case(k):
+        torch.manual_seed(k)
+        model = torch.nn.Linear(16, 4).to(torch.bfloat16)
+        X = torch.randn(k, 8, 16).to(torch.bfloat16)
+        params = list(model.parameters())
+        reference = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
+        for Xi in X:                           # each micro-batch's gradient, summed in f64
+            loss = model(Xi).float().square().mean()
+            for r, g in zip(reference, torch.autograd.grad(loss, params)):
+                r += g.double()
+        for p in params:
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+            p.register_post_accumulate_grad_hook(fn)
+        for Xi in X:
+            model(Xi).float().square().mean().backward()
+        for name, p, r in zip(("weight", "bias"), params, reference):
+            if p.grad is not None:
+                return Failure("main-grad-free", f"{name}.grad is still set after the "
+                                                 f"{k} backward passes")
+            if p.main_grad.dtype != torch.float32:
+                return Failure("main-grad-dtype", f"{name}.main_grad is {p.main_grad.dtype}")
+            err = ((p.main_grad.double() - r).abs().max() / r.abs().max()).item()
+            if err > 1e-5:
+                seen = f"{name}.main_grad is {err:.1e} (relative) from the float64 sum"
+                last = torch.autograd.grad(model(X[-1]).float().square().mean(), [p])[0]
+                if k > 1 and torch.allclose(p.main_grad, last.float()):
+                    return Failure("main-grad-add", seen)
+                return Failure("main-grad-precision", seen)
+        return None
+
+    return run_check("main_grad", cases, run_case, quiet)
