@@ -86,3 +86,23 @@ def test_break_even_batch_is_allreduce_time_over_backward_time_per_example():
     assert costmodel.break_even_batch(1e6, 4, 10e-6, 1e-9, 1e-2) < b
     with pytest.raises(ValueError, match="must be positive"):
         costmodel.break_even_batch(1e6, 4, 10e-6, 1e-9, 0.0)
+
+
+def test_communication_share_falls_with_the_batch_and_hides_with_overlap():
+    # 1 ms of allreduce, 0.1 ms of compute per example, no fixed cost, no overlap:
+    # at a batch of 10 the step computes 1 ms and waits 1 ms: a half
+    assert costmodel.communication_share(10, 1e-3, 1e-4) == pytest.approx(0.5)
+    assert costmodel.communication_share(1, 1e-3, 1e-4) > costmodel.communication_share(
+        100, 1e-3, 1e-4)
+    # a fixed cost per step lowers the share
+    assert costmodel.communication_share(10, 1e-3, 1e-4, fixed_seconds=1e-3) == \
+        pytest.approx(1 / 3)
+    # with the backward pass (here 2/3 of the compute) hiding it: nothing exposed from
+    # break_even_batch on, which is where the backward pass lasts as long as the allreduce
+    back = 1e-4 * 2 / 3
+    b_star = 1e-3 / back
+    assert costmodel.communication_share(b_star, 1e-3, 1e-4, hidden_per_example=back) == 0
+    assert costmodel.communication_share(b_star / 2, 1e-3, 1e-4,
+                                         hidden_per_example=back) > 0
+    with pytest.raises(ValueError, match="positive"):
+        costmodel.communication_share(0, 1e-3, 1e-4)

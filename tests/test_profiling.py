@@ -67,3 +67,33 @@ def test_profile_shows_when_each_wrapper_communicates():
     launch, backward_end, lanes = _launches(traces["bucketed"])
     assert len(launch) == len(lanes["allreduce"]) == len(buckets) > 1
     assert launch[0] < backward_end                        # (d): the first bucket leaves early
+
+
+def test_gather_lanes_and_order_from_a_sharded_trace():
+    """ZeroModel's marks: a unit computes from the end of its pre-forward mark to its
+    post-forward mark; an FSDP2 forward-prefetch mark after the pre-forward mark delays
+    the compute's start; gathers_ahead counts the gathers issued a unit early."""
+    def x(name, ts, dur, tid=1):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid}
+    trace = {"traceEvents": [
+        x("ZeroModel::pre_forward (a)", 0, 1000), x("ZeroModel::all_gather (a)", 100, 100),
+        x("ZeroModel::all_gather (b)", 500, 100), x("gloo:all_gather", 550, 2000, tid=2),
+        x("ZeroModel::post_forward (a)", 4000, 10),
+        x("ZeroModel::pre_forward (b)", 5000, 100),
+        x("ZeroModel::post_forward (b)", 6000, 10),
+        x("autograd::engine::evaluate_function: AddmmBackward0", 7000, 500),
+        x("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 7500, 9),
+        x("gloo:all_reduce", 7600, 300, tid=2)]}
+    lanes = profiling.gather_timeline(trace)
+    assert lanes == {"compute": [(1.0, 3.0), (5.1, 0.9), (7.0, 0.5)],
+                     "all-gather": [(0.55, 2.0)], "reduce-scatter": [(7.6, 0.3)]}
+    assert profiling.overlap_fraction(lanes, "all-gather", "compute") == pytest.approx(
+        0.775)                                     # 1.55 of 2 ms during a's forward
+    order = profiling.gather_order(trace)
+    assert order == [("gather", "a"), ("gather", "b"), ("forward", "a"), ("forward", "b")]
+    assert profiling.gathers_ahead(order) == (1, 2)
+    fsdp = {"traceEvents": [
+        x("FSDP::pre_forward (0)", 0, 100), x("FSDP::forward_prefetch for 3", 150, 300),
+        x("FSDP::all_gather (3)", 160, 200), x("FSDP::post_forward (0)", 1000, 10)]}
+    assert profiling.gather_timeline(fsdp)["compute"] == [(0.45, 0.55)]
+    assert profiling.gather_order(fsdp) == [("gather", "3"), ("forward", "0")]

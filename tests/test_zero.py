@@ -319,3 +319,96 @@ def test_a_parameter_unused_on_one_rank(two_ranks):
             assert (results[stage][k] - v).abs().max() < TOL, (stage, k)
     message = results["ordinary optimizer"]
     assert "SGD" in message and "shards()" in message, message
+
+
+# ---------------------------------------------------------------- issue 33: reduce dtype,
+# gradient accumulation under ZeRO-2/3, prefetch
+
+def _reduce_dtype_worker(rank, world_size):
+    """One backward pass of a bfloat16 model under ZeroModel (and ZeroOptimizer stage 2)
+    with the gradients reduced in bfloat16 and in float32; against the mean of every
+    rank's bfloat16 gradient computed in float64."""
+    with process_group(rank, world_size):
+        g = torch.Generator().manual_seed(rank)
+        X, y = torch.randn(16, 7, generator=g), torch.randint(0, 5, (16,), generator=g)
+        plain = _other_model().to(torch.bfloat16)
+        nn.functional.cross_entropy(plain(X.to(torch.bfloat16)), y).backward()
+        everyone = [None] * world_size
+        torch.distributed.all_gather_object(everyone, [p.grad.double() for p in
+                                                       plain.parameters()])
+        mean = [sum(gs) / world_size for gs in zip(*everyone)]
+        out = {}
+        for reduce in (None, torch.float32):
+            model = zero.ZeroModel(_other_model(), compute_dtype=torch.bfloat16,
+                                   reduce_dtype=reduce)
+            nn.functional.cross_entropy(model(X), y).backward()
+            error = max((s.grad.double() - model._shard[p].slice(m)).abs().max().item()
+                        for p, s, m in zip(model.module.parameters(), model.shards(), mean))
+            stage2 = _other_model().to(torch.bfloat16)
+            opt = zero.ZeroOptimizer(stage2.parameters(), torch.optim.SGD, stage=2,
+                                     reduce_dtype=reduce, lr=0.1)
+            nn.functional.cross_entropy(stage2(X.to(torch.bfloat16)), y).backward()
+            error2 = max((opt.slices[p].grad.double() - opt.shards[p].slice(m)).abs().max()
+                         .item() for p, m in zip(stage2.parameters(), mean))
+            out[str(reduce)] = {"error": error, "error stage 2": error2,
+                                "bytes": dict(model.traffic.full_bytes),
+                                "bytes stage 2": dict(opt.traffic.full_bytes)}
+        return out
+
+
+def test_reduce_dtype_sums_in_float32_while_computing_in_bfloat16():
+    r = run(_reduce_dtype_worker, 3)
+    b16, f32 = r["None"], r["torch.float32"]
+    numel = sum(zero.Shard(p.numel(), 0, 3).padded for p in _other_model().parameters())
+    # bfloat16 all-gathers, forward and backward; the reduce-scatter in the reduce dtype
+    assert b16["bytes"] == {"all-gather": 2 * 2 * numel, "reduce-scatter": 2 * numel}
+    assert f32["bytes"] == {"all-gather": 2 * 2 * numel, "reduce-scatter": 4 * numel}
+    assert f32["bytes stage 2"] == {"reduce-scatter": 4 * numel}
+    assert b16["bytes stage 2"] == {"reduce-scatter": 2 * numel}
+    # float32 adds 3 bfloat16 values with at most one rounding (24 bits against 8), the
+    # division by 3 one more: ~1e-7 relative. bfloat16 rounds the sum to 8 bits: ~4e-3.
+    for key in ("error", "error stage 2"):
+        assert f32[key] < 1e-6 < 1e-4 < b16[key], (key, f32[key], b16[key])
+
+
+def test_gradient_accumulation_both_ways_equals_one_process():
+    """k = 2 micro-batches under ZeRO-2 and ZeRO-3: reduce-scatter after each (k per
+    step), or keep whole gradients under no_sync and send once. Both equal one process on
+    the whole batch; the bytes sent and held are what each way costs."""
+    nprocs, k = 2, 2
+    r = zero.accumulation(nprocs, k, steps=2, batch_size=16)
+    for (stage, keep), x in r.items():
+        assert x["difference"] < TOL, (stage, keep, x["difference"])
+        assert x["calls"]["reduce-scatter"] == (1 if keep else k) * 8, (stage, keep)
+        assert x["full_bytes"]["reduce-scatter"] == (1 if keep else k) * FULL
+        assert x["held"]["kept"] == (FULL if keep else 0)          # whole gradients
+        assert x["held"]["slices"] == FULL / nprocs                # the slices' .grad
+    # all-gathers: stage 2 once per step, stage 3 twice per micro-batch and unit
+    assert r[2, False]["calls"]["all-gather"] == r[2, True]["calls"]["all-gather"] == 8
+    assert r[3, False]["calls"]["all-gather"] == r[3, True]["calls"]["all-gather"] == 2 * k * 8
+
+
+def test_prefetch_equals_no_prefetch_and_gathers_earlier():
+    """Stage 3 with prefetch: the same parameters as without (the same collectives on the
+    same values: exactly equal), the same traffic, and the events of a step follow
+    zero.prefetch_schedule: every all-gather but the first of each pass is issued one
+    unit early."""
+    from dpbook.torch import profiling
+    runs = {flag: zero.compare(2, stages=(3,), optimizer="sgd-momentum", steps=2,
+                               batch_size=16, prefetch=flag)[3] for flag in (False, True)}
+    assert runs[True]["difference"] == runs[False]["difference"] < TOL
+    assert runs[True]["sent"] == runs[False]["sent"]
+    assert runs[True]["calls"] == runs[False]["calls"]
+    for flag, x in runs.items():
+        assert x["events"] == zero.prefetch_schedule(4, flag)       # LeNet: 4 units
+    assert profiling.gathers_ahead(runs[True]["events"]) == (6, 8)
+    assert profiling.gathers_ahead(runs[False]["events"]) == (0, 8)
+
+
+def test_prefetch_schedule():
+    assert zero.prefetch_schedule(1) == [("gather", 0), ("forward", 0), ("gather", 0),
+                                         ("backward", 0)]
+    assert zero.prefetch_schedule(1, prefetch=False) == zero.prefetch_schedule(1)
+    s = zero.prefetch_schedule(3)
+    assert s.index(("gather", 2)) < s.index(("forward", 1))
+    assert s.index(("gather", 0), 6) < s.index(("backward", 1))

@@ -21,7 +21,8 @@ from typing import Iterable, Mapping
 import numpy as np
 
 __all__ = ["ALGORITHMS", "coefficients", "predict", "relative_error", "fit", "bus_bandwidth",
-           "transfer_seconds", "break_even_batch", "LINKS", "LINK_LATENCY"]
+           "transfer_seconds", "break_even_batch", "communication_share", "LINKS",
+           "LINK_LATENCY"]
 
 ALGORITHMS = ("naive", "ring", "tree")
 
@@ -80,6 +81,28 @@ def break_even_batch(nbytes: float, world_size: int, alpha: float, beta: float,
     if seconds_per_example <= 0:
         raise ValueError(f"seconds_per_example must be positive, got {seconds_per_example}")
     return predict(algorithm, nbytes, world_size, alpha, beta, links) / seconds_per_example
+
+
+def communication_share(batch: float, comm_seconds: float, seconds_per_example: float,
+                        fixed_seconds: float = 0.0, hidden_per_example: float = 0.0
+                        ) -> float:
+    """The predicted share of a data-parallel step's time spent waiting for communication,
+    at a per-device batch of ``batch`` examples.
+
+    The step computes for ``fixed_seconds + batch · seconds_per_example`` and
+    communicates for ``comm_seconds`` (e.g. :func:`predict` of the gradients' bytes), of
+    which up to ``batch · hidden_per_example`` can hide behind the computation (the
+    backward pass per example, when buckets are sent while it runs; 0 when the gradients
+    go out in one piece after it, as DDP's single bucket for a small model). The exposed
+    part ``max(0, comm_seconds - batch · hidden_per_example)`` over the step's time.
+    It falls as the batch grows; with full overlap it reaches 0 at
+    :func:`break_even_batch`.
+    """
+    if batch <= 0 or seconds_per_example <= 0:
+        raise ValueError("batch and seconds_per_example must be positive, got "
+                         f"{batch} and {seconds_per_example}")
+    exposed = max(0.0, comm_seconds - batch * hidden_per_example)
+    return exposed / (fixed_seconds + batch * seconds_per_example + exposed)
 
 
 def relative_error(measurements: Iterable[Mapping], alpha: float, beta: float,

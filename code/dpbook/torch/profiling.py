@@ -6,12 +6,20 @@
 functions and of the allreduce; :func:`overlap_fraction` is the share of the time the
 allreduces were in flight (handed to the library, not yet done, waiting for peers
 included) that fell during backward.
+
+For sharded data parallelism (:class:`dpbook.torch.zero.ZeroModel` and FSDP2, which mark
+their steps in the trace as ``ZeroModel::pre_forward (name)`` / ``FSDP::pre_forward
+(name)``), :func:`gather_timeline` reads the lanes compute, all-gather and
+reduce-scatter, and :func:`gather_order` the order in which all-gathers were issued and
+units started computing; :func:`gathers_ahead` counts the all-gathers issued before the
+compute that preceded their unit's (prefetched).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -23,7 +31,8 @@ from torch.nn import functional as F
 from .ddp_by_hand import sync_gradients, wrap
 from .dist import process_group, run
 
-__all__ = ["profile", "profile_worker", "timeline", "overlap_fraction"]
+__all__ = ["profile", "profile_worker", "timeline", "overlap_fraction", "gather_timeline",
+           "gather_order", "gathers_ahead"]
 
 
 @contextlib.contextmanager
@@ -136,10 +145,105 @@ def _union(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def overlap_fraction(lanes: dict[str, list[tuple[float, float]]]) -> float:
-    """The share of the allreduce lane's in-flight time during which backward ran too:
+def overlap_fraction(lanes: dict[str, list[tuple[float, float]]], comm: str = "allreduce",
+                     compute: str = "backward") -> float:
+    """The share of the ``comm`` lane's in-flight time during which ``compute`` ran too:
     0 when communication only starts after backward, near 1 when it hides behind it."""
-    comm, back = _union(lanes["allreduce"]), _union(lanes["backward"])
+    comm, back = _union(lanes[comm]), _union(lanes[compute])
     busy = sum(b - a for a, b in comm)
     hidden = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in back)
     return hidden / busy if busy else 0.0
+
+
+_MARK = re.compile(r"^(?:ZeroModel|FSDP)::(pre_forward|post_forward|pre_backward|all_gather"
+                   r"|forward_prefetch|backward_prefetch)(?: for (.*)| \((.*)\))$")
+
+
+def _marks(trace: dict) -> list[tuple[str, str, float, float]]:
+    """``(step, unit name, start, end)`` of the ZeroModel/FSDP2 marks, in microseconds,
+    by start. A pre-forward or pre-backward mark is extended to the end of a prefetch
+    mark that follows it before the unit's post-forward (FSDP2 issues its forward
+    prefetch after its pre-forward mark, before the unit computes); prefetch marks are
+    dropped."""
+    out = []
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and "dur" in e:
+            m = _MARK.match(e["name"])
+            if m:
+                out.append([m.group(1), m.group(2) or m.group(3), e["ts"], e["ts"] + e["dur"]])
+    out.sort(key=lambda x: x[2])
+    marks, pre = [], None
+    for step, name, a, b in out:
+        if step.endswith("_prefetch"):
+            if pre is not None:
+                pre[3] = max(pre[3], b)
+            continue
+        mark = [step, name, a, b]
+        marks.append(mark)
+        if step in ("pre_forward", "pre_backward"):
+            pre = mark
+        elif step == "post_forward":          # the unit has computed: nothing to extend
+            pre = None
+    return [tuple(m) for m in marks]
+
+
+def gather_timeline(trace: dict) -> dict[str, list[tuple[float, float]]]:
+    """The lanes of a profiled ZeRO-3 or FSDP2 step on the CPU, as ``(start, length)`` in
+    milliseconds from the step's first event: ``"compute"`` (each unit's forward, from
+    the end of its pre-forward mark to its post-forward mark, and autograd's backward
+    functions, those that run hooks left out), ``"all-gather"`` and ``"reduce-scatter"``
+    (gloo's spans on its own threads: from the moment gloo takes the collective until it
+    is done, waiting for the other rank included; gloo runs a reduce-scatter as an
+    ``all_reduce``)."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    start = min(e["ts"] for e in events)
+    lanes: dict[str, list[tuple[float, float]]] = {
+        "compute": [], "all-gather": [], "reduce-scatter": []}
+    opened: dict[str, float] = {}
+    for step, name, a, b in _marks(trace):
+        if step == "pre_forward":
+            opened[name] = b
+        elif step == "post_forward" and name in opened:
+            lanes["compute"].append((opened[name], a - opened.pop(name)))
+    hooks = ("AccumulateGrad", "PostBackward", "PreBackward", "BackwardHook")
+    for e in events:
+        if (e["name"].startswith("autograd::engine::evaluate_function:")
+                and not any(h in e["name"] for h in hooks)):
+            lanes["compute"].append((e["ts"], e["dur"]))
+        elif e["name"] in ("gloo:all_gather", "gloo:all_gather_into_tensor"):
+            lanes["all-gather"].append((e["ts"], e["dur"]))
+        elif e["name"] in ("gloo:all_reduce", "gloo:reduce_scatter"):
+            lanes["reduce-scatter"].append((e["ts"], e["dur"]))
+    return {lane: sorted(((a - start) / 1e3, d / 1e3) for a, d in spans)
+            for lane, spans in lanes.items()}
+
+
+def gather_order(trace: dict) -> list[tuple[str, str]]:
+    """What happened, in order: ``("gather", unit)`` when the unit's all-gather was
+    issued, ``("forward", unit)`` / ``("backward", unit)`` when its computation began
+    (the end of its pre-forward / pre-backward mark). The form of
+    :attr:`dpbook.torch.zero.ZeroModel.events`, with unit names."""
+    points = []
+    for step, name, a, b in _marks(trace):
+        if step == "all_gather":
+            points.append((a, "gather", name))
+        elif step in ("pre_forward", "pre_backward"):
+            points.append((b, step[4:], name))
+    return [(kind, name) for _, kind, name in sorted(points, key=lambda x: x[0])]
+
+
+def gathers_ahead(order: Sequence[tuple[str, object]]) -> tuple[int, int]:
+    """``(prefetched, computed)``: of the units' computations in ``order`` (forward and
+    backward) that waited for an all-gather, how many had it issued before the
+    computation just before them began, i.e. early enough to travel while another unit
+    computed."""
+    prefetched = computed = 0
+    last_gather: dict = {}
+    for j, (kind, unit) in enumerate(order):
+        if kind == "gather":
+            last_gather[unit] = j
+        elif unit in last_gather:              # a computation that needed a gather
+            computed += 1
+            g = last_gather.pop(unit)
+            prefetched += any(k != "gather" for k, _ in order[g + 1:j])
+    return prefetched, computed

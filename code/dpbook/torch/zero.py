@@ -33,9 +33,10 @@ allreduce, of the norm.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ from .models import seeded
 
 __all__ = ["Traffic", "Shard", "reduce_scatter_mean", "all_gather", "ZeroOptimizer",
            "ZeroModel", "held_bytes", "OPTIMIZERS", "stage_worker", "reference",
-           "compare"]
+           "compare", "accumulation_worker", "accumulation", "prefetch_schedule"]
 
 
 @dataclasses.dataclass
@@ -159,23 +160,47 @@ class _InOrder:
 
     A parameter that no rank used gets a zero gradient, where one process would leave its
     ``.grad`` at None: plain SGD leaves it alone, momentum and weight decay still move it.
-    DDP tells the two apart with one more allreduce, of a bitmap of the parameters used."""
+    DDP tells the two apart with one more allreduce, of a bitmap of the parameters used.
+
+    With ``dtype`` (the *reduce dtype*, e.g. ``torch.float32`` while the gradients are
+    bfloat16) each gradient is cast to it before the reduce-scatter, which then sums in
+    it. :meth:`keep` (gradient accumulation without communication, ``no_sync``) adds the
+    gradient to a whole one kept in :attr:`kept` instead; the next :meth:`ready` of the
+    parameter sends the sum."""
 
     def __init__(self, order: list, shards: dict, traffic: Traffic, done: Callable,
-                 group=None, after: Callable | None = None):
+                 group=None, after: Callable | None = None,
+                 dtype: torch.dtype | None = None):
         self.order, self.shards, self.traffic, self.done = order, shards, traffic, done
         self.group, self.after = group, after      # after: called at the end of finish()
+        self.dtype = dtype             # the reduce dtype (None: the gradient's own)
         self.grads: dict = {}          # gradients taken from the parameters, not yet sent
+        self.kept: dict = {}           # whole gradients kept between micro-batches
         self.next = 0                  # the next turn in ``order``
         self.flight: list = []         # started, not yet collected: (parameter, out, work)
         self.queued = False
 
     def ready(self, p: torch.Tensor) -> None:
-        self.grads[p], p.grad = p.grad, None
+        grad, p.grad = p.grad, None
+        kept = self.kept.pop(p, None)
+        self.grads[p] = grad if kept is None else kept.add_(grad)
         if not self.queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self.queued = True
         self._start(everything=False)
+
+    def keep(self, p: torch.Tensor) -> None:
+        """Add ``p``'s gradient to its kept whole gradient and send nothing."""
+        grad, p.grad = p.grad, None
+        self.kept[p] = grad if p not in self.kept else self.kept[p].add_(grad)
+        if not self.queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_kept)
+            self.queued = True
+
+    def _end_kept(self) -> None:
+        self.queued = False
+        if self.after is not None:
+            self.after()
 
     def _start(self, everything: bool) -> None:
         while self.next < len(self.order):
@@ -186,7 +211,12 @@ class _InOrder:
             if grad is None:
                 if not everything:
                     return                                # not its turn yet: wait
-                grad = torch.zeros(self.shards[p].numel, dtype=p.dtype, device=p.device)
+                grad = self.kept.pop(p, None)      # kept from earlier micro-batches
+                if grad is None:
+                    grad = torch.zeros(self.shards[p].numel, dtype=p.dtype,
+                                       device=p.device)
+            if self.dtype is not None:
+                grad = grad.to(self.dtype)         # the reduce dtype: sum in it
             out, work = _reduce_scatter_start(grad, self.shards[p], self.traffic,
                                               self.group)
             self.flight.append((p, out, work))
@@ -218,10 +248,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
     parameters. ``param_groups`` holds the full parameters, so a learning-rate scheduler
     works unchanged; ``step()`` passes their hyperparameters to the inner optimizer.
     ``state_dict()`` is this rank's shard of the state.
+
+    ``reduce_dtype`` (e.g. ``torch.float32`` for a bfloat16 model) is the dtype the
+    gradients are reduce-scattered in. Gradient accumulation over k micro-batches: stage 1
+    keeps whole gradients anyway and sends once, in ``step()``; stage 2 sends a
+    reduce-scatter per micro-batch, unless the first k - 1 backward passes run under
+    :meth:`no_sync`, which keeps their whole gradients (stage 1's memory) until the last.
     """
 
     def __init__(self, params: Iterable[torch.Tensor], optimizer_class: type, stage: int = 1,
-                 **defaults):
+                 reduce_dtype: torch.dtype | None = None, **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer does stages 1 and 2; for stage 3 use "
                              f"ZeroModel (got stage={stage})")
@@ -243,11 +279,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
                    "params": [self.slices[p] for p in g["params"]]} for g in self.param_groups]
         self.inner = optimizer_class(groups, **defaults)
         # reduce-scatter in the reverse of the parameters' order, on every rank the same
-        self._in_order = _InOrder(params[::-1], self.shards, self.traffic, self._add_grad)
+        self._in_order = _InOrder(params[::-1], self.shards, self.traffic, self._add_grad,
+                                  dtype=reduce_dtype)
+        self._sync = True
         self._hooks = []
         if stage == 2:      # reduce-scatter each gradient as soon as backward produces it
             for p in params:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._in_order.ready))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if self._sync:
+            self._in_order.ready(p)
+        else:
+            self._in_order.keep(p)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep whole gradients (:func:`kept`) and send nothing; the
+        first backward pass after it adds them to its own and reduce-scatters the sum
+        (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``). For stage 1
+        it changes nothing: stage 1 sends only in ``step()``."""
+        self._sync, before = False, self._sync
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def kept(self) -> list[torch.Tensor]:
+        """The whole gradients kept by :meth:`no_sync` (stage 2), not yet sent."""
+        return list(self._in_order.kept.values())
 
     def _add_grad(self, p: torch.Tensor, part: torch.Tensor) -> None:
         """The mean slice of ``p``'s gradient into its slice's ``.grad``; the full gradient
@@ -295,29 +355,51 @@ class ZeroModel(nn.Module):
     again when backward reaches the unit, and a hook on each parameter reduce-scatters its
     gradient into the slice's ``.grad`` and frees the rest. With ``compute_dtype`` (e.g.
     ``torch.bfloat16``) the parameters travel and compute in that type and their gradients
-    come back in it, while the slices and the optimizer state stay float32.
-    :meth:`full_state_dict` gathers a checkpoint.
+    come back in it, while the slices and the optimizer state stay float32;
+    ``reduce_dtype`` (e.g. ``torch.float32``) is the dtype the gradients are
+    reduce-scattered in (default: the compute dtype). :meth:`full_state_dict` gathers a
+    checkpoint.
+
+    With ``prefetch=True`` a unit's all-gather is started (``async_op=True``) one unit
+    early: in the forward pass when the unit before it (in the order of :attr:`units`)
+    starts, in the backward pass when the unit after it (in the order the forward pass
+    ran them) starts its backward. It then travels while that unit computes, and two
+    units are gathered at a time (FSDP2's implicit backward prefetch and its
+    ``set_modules_to_forward_prefetch``). Every rank issues the same all-gathers in the
+    same order, since every rank runs the same units. :attr:`events` records the last
+    step: ``("gather", i)`` when unit i's all-gather is issued, ``("forward", i)`` /
+    ``("backward", i)`` when its compute starts.
+
+    Gradient accumulation: each backward pass reduce-scatters, k per step, into the
+    slices' ``.grad``; under :meth:`no_sync` the whole gradients are kept instead
+    (:meth:`kept`) and the next backward pass outside it sends their sum.
     """
 
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None, prefetch: bool = False):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("ZeroModel needs a process group (dist.init_process_group)")
         self.module = module
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self.prefetch = prefetch
         with torch.no_grad():          # like DDP: every rank starts from rank 0's parameters
             for p in module.parameters():
                 dist.broadcast(p, 0)
         rank, world_size = dist.get_rank(), dist.get_world_size()
         self.traffic = Traffic(world_size)
         self.units: list[nn.Module] = []
+        self.events: list[tuple[str, int]] = []     # the last step's, see the docstring
         self._shard: dict[nn.Parameter, Shard] = {}
         self._slice: dict[nn.Parameter, torch.Tensor] = {}
         self._dtype: dict[nn.Parameter, torch.dtype] = {}
         self._shape: dict[nn.Parameter, torch.Size] = {}
         self._pending: dict[nn.Module, int] = {}
-        self._grad_hooks = []
+        self._flight: dict[nn.Module, list] = {}    # all-gathers started, not yet waited
+        self._ran: list[nn.Module] = []             # the units in the order forward ran
+        self._sync = True
         owner: dict[nn.Parameter, str] = {}
+        self._names: list[str] = []         # the units' names, for the profiler's marks
         for name, unit in module.named_modules():
             own = [p for p in unit.parameters(recurse=False) if p.requires_grad]
             if not own:
@@ -336,9 +418,11 @@ class ZeroModel(nn.Module):
                 p._dpbook_sharded = True     # an optimizer over these stops: see below
                 p.register_post_accumulate_grad_hook(self._make_grad_hook(unit))
             self.units.append(unit)
-            unit.register_forward_pre_hook(lambda m, args: self._gather(m))
+            self._names.append(name)
+            unit.register_forward_pre_hook(lambda m, args: self._before_forward(m))
             unit.register_forward_hook(self._after_forward)
             self._free(unit)
+        self._index = {unit: i for i, unit in enumerate(self.units)}
         # The reduce-scatters in the reverse of the parameters' order on every rank, on a
         # group of their own: the all-gathers of the backward pass need not wait for them.
         # One collective on it now, on every rank: NCCL creates a group's communicator at
@@ -348,26 +432,70 @@ class ZeroModel(nn.Module):
                         group=scatter_group)
         self._in_order = _InOrder(list(self._shard)[::-1], self._shard, self.traffic,
                                   self._add_grad, group=scatter_group,
-                                  after=self._free_all)
+                                  after=self._free_all, dtype=reduce_dtype)
         _refuse_full_parameters_once()
+
+    def _before_forward(self, unit: nn.Module) -> None:
+        """The unit's parameters whole (waiting for a prefetched all-gather); with
+        prefetch, start the next unit's all-gather before this one computes."""
+        i = self._index[unit]
+        with _mark(f"ZeroModel::pre_forward ({self._names[i]})"):    # for the profiler
+            self._gather(unit)
+            self._ran.append(unit)
+            if self.prefetch and i + 1 < len(self.units):
+                self._start_gather(self.units[i + 1])
+        self.events.append(("forward", i))
 
     def _after_forward(self, unit: nn.Module, args, out) -> None:
         """Free the unit's parameters; gather them again when backward reaches the unit,
         i.e. when the gradient of its output arrives (a hook on the output tensor)."""
-        self._free(unit)
+        with _mark(f"ZeroModel::post_forward ({self._names[self._index[unit]]})"):
+            self._free(unit)
         outs = [t for t in (out if isinstance(out, (tuple, list)) else [out])
                 if isinstance(t, torch.Tensor) and t.requires_grad]
         if outs:
-            outs[0].register_hook(lambda grad: self._gather(unit))
+            outs[0].register_hook(lambda grad: self._before_backward(unit))
+
+    def _before_backward(self, unit: nn.Module) -> None:
+        """As :meth:`_before_forward`, in the reverse of the order forward ran."""
+        i, k = self._index[unit], self._ran.index(unit)
+        with _mark(f"ZeroModel::pre_backward ({self._names[i]})"):
+            self._gather(unit)
+            if self.prefetch and k > 0:
+                self._start_gather(self._ran[k - 1])
+        self.events.append(("backward", i))
 
     def _own(self, unit: nn.Module) -> list[nn.Parameter]:
         return [p for p in unit.parameters(recurse=False) if p in self._shard]
 
     @torch.no_grad()
-    def _gather(self, unit: nn.Module) -> None:
+    def _start_gather(self, unit: nn.Module) -> None:
+        """Start the all-gathers of the unit's parameters (``async_op=True``), unless
+        they are in flight already."""
+        if unit in self._flight:
+            return
+        i = self._index[unit]
+        self.events.append(("gather", i))
+        mark = _mark(f"ZeroModel::all_gather ({self._names[i]})")
+        mark.__enter__()
+        started = []
         for p in self._own(unit):
-            full = all_gather(self._slice[p].to(self._dtype[p]), self._shard[p], self.traffic)
-            p.data = full.view(self._shape[p])
+            shard, part = self._shard[p], self._slice[p].to(self._dtype[p])
+            out = torch.empty(shard.padded, dtype=part.dtype, device=part.device)
+            work = _collective("all_gather")(out, part, async_op=True)
+            self.traffic.add("all-gather", out.numel() * out.element_size())
+            started.append((p, part, out, work))      # part: alive until the wait
+        self._flight[unit] = started
+        mark.__exit__(None, None, None)
+
+    @torch.no_grad()
+    def _gather(self, unit: nn.Module) -> None:
+        """The unit's parameters whole: wait for its all-gathers (started now if no
+        prefetch started them)."""
+        self._start_gather(unit)
+        for p, part, out, work in self._flight.pop(unit):
+            work.wait()
+            p.data = out[:self._shard[p].numel].view(self._shape[p])
         self._pending[unit] = len(self._own(unit))
 
     def _free(self, unit: nn.Module) -> None:
@@ -376,11 +504,30 @@ class ZeroModel(nn.Module):
 
     def _make_grad_hook(self, unit: nn.Module) -> Callable:
         def hook(p: nn.Parameter) -> None:
-            self._in_order.ready(p)       # takes p.grad; reduce-scatters it in turn
+            if self._sync:
+                self._in_order.ready(p)    # takes p.grad (+ kept); reduce-scatters in turn
+            else:
+                self._in_order.keep(p)     # adds p.grad to the kept whole gradient
             self._pending[unit] -= 1
             if self._pending[unit] == 0:      # the unit's backward is done: free
                 self._free(unit)
         return hook
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep whole gradients (:meth:`kept`: the memory of the
+        whole gradients, in the compute dtype) and reduce-scatter nothing; the first
+        backward pass after it sends their sum (FSDP2's
+        ``set_requires_gradient_sync(False)``)."""
+        self._sync, before = False, self._sync
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def kept(self) -> list[torch.Tensor]:
+        """The whole gradients kept by :meth:`no_sync`, not yet sent."""
+        return list(self._in_order.kept.values())
 
     def _add_grad(self, p: nn.Parameter, part: torch.Tensor) -> None:
         s = self._slice[p]
@@ -388,12 +535,16 @@ class ZeroModel(nn.Module):
         s.grad = part if s.grad is None else s.grad.add_(part)
 
     def _free_all(self) -> None:
-        """At the end of the backward pass: free a unit that a parameter without a
-        gradient (unused on this rank) kept gathered."""
+        """At the end of the backward pass: wait for an all-gather still in flight (a
+        unit prefetched that backward did not reach) and free every unit, also one that
+        a parameter without a gradient (unused on this rank) kept gathered."""
+        for unit in list(self._flight):
+            self._gather(unit)
         for unit in self.units:
             self._free(unit)
 
     def forward(self, *args, **kwargs):
+        self.events, self._ran = [], []
         if self.compute_dtype is not None:      # the inputs in the parameters' type
             args, kwargs = _cast_floats(args, kwargs, self.compute_dtype)
         return self.module(*args, **kwargs)
@@ -416,6 +567,37 @@ class ZeroModel(nn.Module):
                 full = all_gather(self._slice[p].detach(), self._shard[p])
                 out[name] = full.view(self._shape[p])
         return out
+
+
+def prefetch_schedule(num_units: int, prefetch: bool = True) -> list[tuple[str, int]]:
+    """The order of one training step of :class:`ZeroModel` over ``num_units`` units
+    that run one after the other, as its :attr:`ZeroModel.events` records it: all-gathers
+    issued (``("gather", i)``) and units starting to compute (``("forward", i)``,
+    ``("backward", i)``).
+
+    >>> prefetch_schedule(2)[:4]                 # the forward pass
+    [('gather', 0), ('gather', 1), ('forward', 0), ('forward', 1)]
+    """
+    order: list[tuple[str, int]] = []
+    for i in range(num_units):
+        if not (prefetch and i > 0):       # with prefetch, the unit before issued it
+            order.append(("gather", i))
+        if prefetch and i + 1 < num_units:
+            order.append(("gather", i + 1))
+        order.append(("forward", i))
+    for i in reversed(range(num_units)):
+        if not (prefetch and i < num_units - 1):
+            order.append(("gather", i))
+        if prefetch and i > 0:
+            order.append(("gather", i - 1))
+        order.append(("backward", i))
+    return order
+
+
+def _mark(name: str):
+    """A range named ``name`` in a ``torch.profiler`` trace (FSDP2 marks its steps the
+    same way: ``FSDP::pre_forward (0)``)."""
+    return torch.profiler.record_function(name)
 
 
 _REFUSING = []
@@ -476,7 +658,8 @@ OPTIMIZERS = {"adam": (torch.optim.Adam, {"lr": 1e-3}),
 
 
 def _train(stage: int, optimizer: str, steps: int, batch_size: int, rank: int,
-           world_size: int, compute_dtype: torch.dtype | None = None) -> dict:
+           world_size: int, compute_dtype: torch.dtype | None = None,
+           reduce_dtype: torch.dtype | None = None, prefetch: bool = False) -> dict:
     """``steps`` steps of LeNet at ``stage`` (0: DDP) on this rank's share of each batch;
     the final parameters, one step's traffic and the bytes held, by category."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -491,9 +674,10 @@ def _train(stage: int, optimizer: str, steps: int, batch_size: int, rank: int,
         counter = register(model)                     # counts the allreduce bytes
         opt = cls(model.parameters(), **kwargs)
     elif stage in (1, 2):
-        opt = ZeroOptimizer(model.parameters(), cls, stage=stage, **kwargs)
+        opt = ZeroOptimizer(model.parameters(), cls, stage=stage, reduce_dtype=reduce_dtype,
+                            **kwargs)
     else:
-        model = ZeroModel(model, compute_dtype)
+        model = ZeroModel(model, compute_dtype, reduce_dtype, prefetch)
         opt = cls(model.shards(), **kwargs)
     traffic = opt.traffic if stage in (1, 2) else model.traffic if stage == 3 else None
     held: dict[str, int] = {}
@@ -535,17 +719,20 @@ def _train(stage: int, optimizer: str, steps: int, batch_size: int, rank: int,
     else:
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
     return {"params": params, "sent": traffic.sent(), "calls": dict(traffic.calls),
-            "held": held}
+            "held": held, "events": getattr(model, "events", None)}
 
 
 def stage_worker(rank: int, world_size: int, stages: list[int], optimizer: str, steps: int,
-                 batch_size: int, compute_dtype: str | None) -> dict:
+                 batch_size: int, compute_dtype: str | None, reduce_dtype: str | None = None,
+                 prefetch: bool = False) -> dict:
     """Every stage of ``stages`` in turn on this process group; returns the results."""
     from .dist import process_group
     dtype = getattr(torch, compute_dtype) if compute_dtype else None
+    reduce = getattr(torch, reduce_dtype) if reduce_dtype else None
     with process_group(rank, world_size):
         return {stage: _train(stage, optimizer, steps, batch_size, rank, world_size,
-                              dtype if stage == 3 else None) for stage in stages}
+                              dtype if stage == 3 else None, reduce, prefetch)
+                for stage in stages}
 
 
 def reference(optimizer: str, steps: int, batch_size: int) -> dict[str, torch.Tensor]:
@@ -565,21 +752,98 @@ def reference(optimizer: str, steps: int, batch_size: int) -> dict[str, torch.Te
 
 def compare(nprocs: int, stages: Iterable[int] = (0, 1, 2, 3), optimizer: str = "adam",
             steps: int = 3, batch_size: int = 48, compute_dtype: str | None = None,
-            timeout: float = 300) -> dict:
+            timeout: float = 300, reduce_dtype: str | None = None, prefetch: bool = False
+            ) -> dict:
     """Train LeNet ``steps`` steps with each ZeRO ``stage`` (0: DDP) on ``nprocs``
     processes and in one process. Per stage: ``difference`` (largest parameter difference
     from the one-process run), ``sent`` (bytes one rank sent in the last step, ring
     collectives), ``calls`` (collectives of that step), ``held`` (bytes rank 0 held per
-    category: full ``params``, its float32 ``slices``, ``grads``, ``optimizer`` state)."""
+    category: full ``params``, its float32 ``slices``, ``grads``, ``optimizer`` state),
+    and for stage 3 the ``events`` of its last step (:attr:`ZeroModel.events`).
+    ``compute_dtype`` and ``prefetch`` apply to stage 3, ``reduce_dtype`` to stages 1-3."""
     from .dist import per_process, run
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose from {list(OPTIMIZERS)}")
     per_process(batch_size, nprocs)          # refuses what does not divide
     stages = list(stages)
     results = run(stage_worker, nprocs, stages, optimizer, steps, batch_size, compute_dtype,
-                  on="cpu", timeout=timeout)
+                  reduce_dtype, prefetch, on="cpu", timeout=timeout)
     ref = reference(optimizer, steps, batch_size)
     for r in results.values():
         r["difference"] = max_abs_difference({k: r["params"][k] for k in ref}, ref)
+        del r["params"]
+    return results
+
+
+# ---------------------------------------------------------------- gradient accumulation
+
+def _accumulate(stage: int, keep: bool, k: int, steps: int, batch_size: int, rank: int,
+                world_size: int) -> dict:
+    """``steps`` steps of LeNet (SGD with momentum) at ``stage`` (2 or 3), each over k
+    micro-batches of this rank's share; with ``keep`` the first k - 1 backward passes run
+    under ``no_sync``. The final parameters, the last step's traffic and the most bytes
+    held at once, after any backward pass, by whole gradients kept (``kept``) and by the
+    gradients of the slices (``slices``)."""
+    from .models import lenet
+    cls, kwargs = OPTIMIZERS["sgd-momentum"]
+    torch.manual_seed(0)
+    model = lenet()
+    if stage == 2:
+        opt = owner = ZeroOptimizer(model.parameters(), cls, stage=2, **kwargs)
+        slices = list(opt.slices.values())
+    elif stage == 3:
+        model = owner = ZeroModel(model)
+        opt = cls(model.shards(), **kwargs)
+        slices = model.shards()
+    else:
+        raise ValueError(f"accumulation is shown for stages 2 and 3, not {stage}")
+    held = {"kept": 0, "slices": 0}
+    for step in range(steps):
+        last = step == steps - 1
+        if last:
+            owner.traffic.reset()
+        X, y = random_batch(batch_size, seed=1000 + step)
+        X, y = X.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        opt.zero_grad()
+        for i, (Xi, yi) in enumerate(zip(X.chunk(k), y.chunk(k))):
+            quiet = keep and i < k - 1
+            with owner.no_sync() if quiet else contextlib.nullcontext():
+                (F.cross_entropy(model(Xi), yi) / k).backward()   # mean over k micro-batches
+            if last:
+                now = held_bytes({"kept": owner.kept(), "slices": [s.grad for s in slices]})
+                held = {c: max(held[c], now[c]) for c in held}
+        opt.step()
+    params = (model.full_state_dict() if stage == 3
+              else {n: v.detach().clone() for n, v in model.named_parameters()})
+    return {"params": params, "sent": owner.traffic.sent(),
+            "calls": dict(owner.traffic.calls), "full_bytes": dict(owner.traffic.full_bytes),
+            "held": held}
+
+
+def accumulation_worker(rank: int, world_size: int, cases: list[tuple[int, bool]], k: int,
+                        steps: int, batch_size: int) -> dict:
+    """Every ``(stage, keep)`` of ``cases`` in turn on this process group."""
+    from .dist import process_group
+    with process_group(rank, world_size):
+        return {case: _accumulate(*case, k, steps, batch_size, rank, world_size)
+                for case in cases}
+
+
+def accumulation(nprocs: int, k: int, cases: Iterable[tuple[int, bool]] = (
+        (2, False), (2, True), (3, False), (3, True)), steps: int = 2, batch_size: int = 48,
+        timeout: float = 300) -> dict:
+    """Gradient accumulation over ``k`` micro-batches under ZeRO-2 and ZeRO-3, per
+    ``(stage, keep)``: ``keep=False`` reduce-scatters after every micro-batch (k per
+    step), ``keep=True`` keeps whole gradients (``no_sync``) and sends once. Each result:
+    ``difference`` from one process on the whole batches (:func:`reference`, SGD with
+    momentum), ``sent``/``calls``/``full_bytes`` (per kind) of the last step, ``held``
+    bytes (see :func:`_accumulate`)."""
+    from .dist import per_process, run
+    per_process(batch_size, nprocs * k)          # refuses what does not divide
+    results = run(accumulation_worker, nprocs, list(cases), k, steps, batch_size, on="cpu",
+                  timeout=timeout)
+    ref = reference("sgd-momentum", steps, batch_size)
+    for r in results.values():
+        r["difference"] = max_abs_difference({n: r["params"][n] for n in ref}, ref)
         del r["params"]
     return results
