@@ -396,6 +396,26 @@ def test_a_scan_returning_per_example_losses_is_right(capsys):
     assert jax_exercises.check_scan_accumulation(per_example_losses_scan) is None
 
 
+def test_the_scan_check_reads_jax_0_11_scans(monkeypatch):
+    """jax 0.11's scan has no ``num_carry`` parameter (seen on a GPU box with jax 0.11.2:
+    the reference solution failed with a KeyError). Without it the check still passes the
+    reference and the per-example losses, and still finds the stacked gradients."""
+    walk = jax_exercises._equations
+
+    def without_num_carry(jaxpr):
+        for eqn in walk(jaxpr):
+            if eqn.primitive.name == "scan":
+                eqn = eqn.replace(params={k: v for k, v in eqn.params.items()
+                                          if k != "num_carry"})
+            yield eqn
+
+    monkeypatch.setattr(jax_exercises, "_equations", without_num_carry)
+    check = jax_exercises.check_scan_accumulation
+    assert check(jax_step.accumulated_grads, quiet=True) is None
+    assert check(per_example_losses_scan, quiet=True) is None
+    assert check(stacking_scan, quiet=True).hint == "scan-stacked"
+
+
 def python_loop(params, apply_fn, X, y, k):        # right numbers, k copies when traced
     losses, total = [], jax.tree.map(jnp.zeros_like, params)
     for Xi, yi in zip(jnp.split(X, k), jnp.split(y, k)):

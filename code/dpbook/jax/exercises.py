@@ -18,7 +18,7 @@ from .devices import all_devices
 from .state import AXIS, make_mesh
 
 __all__ = ["check_allreduce", "check_ring_allreduce", "check_shard_map_grads",
-           "check_scan_accumulation", "check_pad_batch"]
+           "check_scan_accumulation", "check_pad_batch", "check_restore"]
 
 
 def _check_devices() -> list[jax.Device]:
@@ -205,7 +205,10 @@ def _stacked_gradients(closed, shapes: set[tuple[int, ...]]) -> list[str]:
     found = []
     for eqn in _equations(closed.jaxpr):
         if eqn.primitive.name == "scan":
-            length, carry = eqn.params["length"], eqn.params["num_carry"]
+            # jax <= 0.10 says how many outputs are the carry; 0.11 replaced num_carry
+            # with tree structures (ft_in, ft_out). Without it, every output is looked
+            # at: a carry that adds gradients up has a parameter's shape, not (k, *s).
+            length, carry = eqn.params["length"], eqn.params.get("num_carry", 0)
             stacked = [var.aval for var in eqn.outvars[carry:]
                        if tuple(var.aval.shape[:1]) == (length,)
                        and tuple(var.aval.shape[1:]) in shapes]
@@ -258,3 +261,52 @@ def check_scan_accumulation(fn: Callable, quiet: bool = False) -> Failure | None
         return None
 
     return run_check("scan_accumulation", cases, run_case, quiet)
+
+
+def check_restore(fn: Callable, quiet: bool = False) -> Failure | None:
+    """Check ``fn(path, state)``, which restores the Orbax checkpoint in the folder
+    ``path`` (a LeNet + Adam ``TrainState`` saved by :func:`dpbook.jax.checkpoint.save`
+    from another mesh) and returns it shaped and placed like ``state``, a fresh state on
+    the new mesh: a ``TrainState`` of the same structure, every array equal to the saved
+    one and with the sharding of the matching array of ``state``. The cases: saved on 4
+    devices, restored on 2 others; saved on 2, restored on 3 (most LeNet arrays stay whole
+    there: none of their dimensions divides by 3)."""
+    import os
+    import tempfile
+    from . import checkpoint as ck
+    from .fsdp import make_auto_mesh
+    devices = _check_devices()
+    cases = [(f"saved on {a} devices, restored on {b}", (a, b))
+             for a, b in ((4, 2), (2, 3)) if len(devices) >= min(a + b, 4)]
+
+    def run_case(case):
+        a, b = case
+        old = make_auto_mesh(devices[:a])
+        new = make_auto_mesh(devices[-b:] if len(devices) >= a + b else devices[:b])
+        trained = ck.initial_state(0)      # as if trained: a step count, nonzero moments
+        trained = trained.replace(step=trained.step + 3, opt_state=jax.tree.map(
+            lambda x: x + (0.5 if jnp.issubdtype(x.dtype, jnp.floating) else 3),
+            trained.opt_state))
+        saved, _ = ck.place(trained, old)
+        fresh, shardings = ck.new_state(new, seed=1)
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "checkpoint")
+            ck.save(path, saved)
+            got = fn(path, fresh)
+        if jax.tree.structure(got) != jax.tree.structure(fresh):
+            return Failure("restore-target", f"got a {type(got).__name__}, expected "
+                           f"{type(fresh).__name__} of the same structure")
+        if ck.max_abs_difference(got.params, saved.params) != 0:
+            return Failure("restore-values", "the parameters differ from the saved ones")
+        if ck.max_abs_difference(got, saved) != 0:
+            return Failure("restore-optimizer", "the optimizer state differs from the "
+                           "saved one")
+        if not ck.shardings_equal(got, shardings):
+            wrong = [x.sharding for x, s in zip(jax.tree.leaves(got),
+                                                 jax.tree.leaves(shardings))
+                     if x.sharding != s]
+            return Failure("restore-sharding", f"{len(wrong)} arrays placed otherwise, "
+                           f"e.g. {wrong[0]}")
+        return None
+
+    return run_check("restore", cases, run_case, quiet)
