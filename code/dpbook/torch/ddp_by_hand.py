@@ -5,9 +5,10 @@ parameters and buffers when it is built (so processes seeded differently start e
 synchronizes only the parameters that need a gradient, and counts a parameter shared by
 two layers (tied weights) once. After ``backward()`` every process holds the *mean* of
 the processes' gradients: the first gradient hook of a backward queues a callback in
-autograd's engine, which runs at the end of that backward and calls
-:meth:`~DataParallel.finish_gradient_synchronization`, as DDP's reducer does, so the
-training loop looks like DDP's. With ``finish_in_backward=False`` the loop calls that
+autograd's engine (as picotron does; DDP's reducer queues its own from the hook that
+makes the last bucket ready), which runs at the end of that backward and calls
+:meth:`~DataParallel.finish_gradient_synchronization`, so the training loop looks like
+DDP's. With ``finish_in_backward=False`` the loop calls that
 method itself after ``backward()`` (the teaching step before the callback); called after
 the callback has run, it does nothing. To accumulate gradients over micro-batches, run
 all but the last backward inside :meth:`~DataParallel.no_sync`, as with DDP::
