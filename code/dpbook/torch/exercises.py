@@ -20,7 +20,7 @@ from .models import seeded
 __all__ = ["check_replicate", "check_allreduce", "check_split_batch", "check_dp_step",
            "check_accumulation", "check_shard", "check_buckets", "check_two_bit",
            "check_atomic_save", "check_ring_allreduce", "check_finish_callback",
-           "check_main_grad"]
+           "check_main_grad", "check_resume"]
 
 
 def _devices(k: int) -> list[torch.device]:
@@ -763,3 +763,59 @@ def check_main_grad(fn: Callable[[torch.nn.Parameter], object], quiet: bool = Fa
         return None
 
     return run_check("main_grad", cases, run_case, quiet)
+
+
+# ------------------------------------------------------------ resuming from a DCP checkpoint
+
+def check_resume(fn: Callable[[torch.nn.Module, torch.optim.Optimizer, str], object],
+                 quiet: bool = False) -> Failure | None:
+    """Check ``fn(model, optimizer, path)``, which loads the checkpoint that
+    :func:`dpbook.torch.checkpoint.save` wrote to the folder ``path`` (with
+    ``torch.distributed.checkpoint``) into a fresh ``model`` and its Adam ``optimizer``,
+    in one process: afterwards the parameters, the optimizer's state (``step``, both
+    moments) and its learning rate must be the saved ones, and the next step must be the
+    one the uninterrupted run takes. The cases: a checkpoint after 1 step, and one after
+    3 steps whose learning rate a scheduler has lowered."""
+    import tempfile
+    from . import checkpoint as ck
+    cases = [("a checkpoint after 1 step", (1, None)),
+             ("a checkpoint after 3 steps, lr lowered to 1e-4 by a scheduler", (3, 1e-4))]
+
+    def run_case(case):
+        steps, lr = case
+        with seeded(0):
+            model = ck.mlp(16)
+        opt = ck.adam(model)
+        ck.train(model, opt, range(steps), 12)
+        if lr is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr
+        with tempfile.TemporaryDirectory() as folder:
+            ck.save(model, opt, folder)
+            with seeded(1):
+                fresh = ck.mlp(16)
+            fresh_opt = ck.adam(fresh)
+            fn(fresh, fresh_opt, folder)
+        saved, got = opt.state_dict(), fresh_opt.state_dict()
+        wrong = [n for (n, p), q in zip(model.named_parameters(), fresh.parameters())
+                 if not torch.equal(p, q)]
+        if wrong:
+            return Failure("resume-model", f"parameters {wrong} differ from the saved ones")
+        moments = [(i, k) for i, s in saved["state"].items() for k in s
+                   if i not in got["state"] or not torch.equal(
+                       torch.as_tensor(s[k]), torch.as_tensor(got["state"][i].get(k)))]
+        if moments:
+            return Failure("resume-optimizer", f"optimizer state {moments[:3]} is not the "
+                           f"saved one ({len(got['state'])} of {len(saved['state'])} "
+                           "parameters have any state)")
+        lrs = ([g["lr"] for g in saved["param_groups"]],
+               [g["lr"] for g in got["param_groups"]])
+        if lrs[0] != lrs[1]:
+            return Failure("resume-param-groups", f"learning rate {lrs[1]}, saved {lrs[0]}")
+        ck.train(model, opt, range(steps, steps + 1), 12)
+        ck.train(fresh, fresh_opt, range(steps, steps + 1), 12)
+        if any(not torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters())):
+            return Failure("resume-model", "the next step differs from the saved run's")
+        return None
+
+    return run_check("resume", cases, run_case, quiet)

@@ -1,0 +1,101 @@
+"""Sharded checkpoints in JAX with Orbax: save a training state sharded over one mesh,
+restore it onto a mesh of another number of devices.
+
+``orbax.checkpoint.StandardCheckpointer`` saves a pytree of ``jax.Array`` s: every array
+writes the shards it has (one copy of each; a replicated array is written once) into one
+TensorStore per checkpoint, with the global shape and dtype. Restoring needs a *target*:
+a pytree of ``jax.ShapeDtypeStruct`` with the shapes, dtypes and shardings wanted now
+(:func:`abstract_state`); each device then reads only the slices its new sharding asks
+for. Without a target Orbax returns nested dicts (no ``TrainState``), placed with the
+shardings saved in the checkpoint, that is, on the old mesh's devices.
+
+The state is that of :mod:`dpbook.jax.fsdp`: LeNet with Adam, each array split along its
+largest dimension that the number of devices divides (``fsdp_spec``), replicated when
+none does. Works with the book's oldest jax (0.8.2) and orbax-checkpoint 0.12.8.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from . import fsdp
+from .data import random_batch
+
+__all__ = ["abstract_state", "save", "restore", "initial_state", "new_state", "place", "train",
+           "shardings_equal", "max_abs_difference"]
+
+
+def abstract_state(state: Any, shardings: Any) -> Any:
+    """The restore target: ``state``'s structure with a ``jax.ShapeDtypeStruct`` (shape,
+    dtype and the sharding from the matching leaf of ``shardings``) for every array."""
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), state,
+        shardings)
+
+
+def save(path: str | os.PathLike, state: Any) -> None:
+    """Write ``state``'s arrays, from the shards the devices hold, to the new folder
+    ``path`` (it must not exist yet); returns when the checkpoint is complete."""
+    with ocp.StandardCheckpointer() as checkpointer:      # waits for the write on exit
+        checkpointer.save(os.path.abspath(path), state)
+
+
+def restore(path: str | os.PathLike, target: Any) -> Any:
+    """The state saved in ``path``, as ``target`` (:func:`abstract_state`) describes it:
+    its structure, and each array placed with the target's sharding."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(os.path.abspath(path), target)
+
+
+@functools.lru_cache(maxsize=4)
+def initial_state(seed: int = 0):
+    """A fresh LeNet + Adam state (:func:`dpbook.jax.fsdp.create_adam_state`) from
+    ``seed``, on the default device; built once per seed (it takes seconds on a CPU:
+    optax initializes the moments array by array), immutable, so shared."""
+    from .models import LeNet
+    return fsdp.create_adam_state(LeNet(), jax.random.key(seed))
+
+
+def new_state(mesh: jax.sharding.Mesh, seed: int = 0):
+    """:func:`initial_state` placed with FSDP shardings on ``mesh`` (:func:`place`): the
+    state and its shardings."""
+    return place(initial_state(seed), mesh)
+
+
+def place(state: Any, mesh: jax.sharding.Mesh):
+    """``state`` placed with :func:`dpbook.jax.fsdp.state_shardings` on ``mesh``, and the
+    shardings."""
+    shardings = fsdp.state_shardings(state, mesh)
+    return jax.device_put(state, shardings), shardings
+
+
+def train(state: Any, mesh: jax.sharding.Mesh, steps: Sequence[int], batch_size: int):
+    """Run the FSDP step (:func:`dpbook.jax.fsdp.make_step`) on ``mesh`` for the global
+    batches numbered ``steps`` (the same batches whatever the mesh); the new state and
+    the losses."""
+    step_fn = fsdp.make_step(mesh, state)
+    losses = []
+    for step in steps:
+        X, y = random_batch(batch_size, seed=1000 + step)
+        state, loss = step_fn(state, X, y)
+        losses.append(float(loss))
+    return state, losses
+
+
+def shardings_equal(tree: Any, shardings: Any) -> bool:
+    """Does every array of ``tree`` have the sharding of the matching leaf of
+    ``shardings`` (same devices in the same mesh, same spec)?"""
+    return all(a.sharding == s
+               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+def max_abs_difference(a: Any, b: Any) -> float:
+    """The largest absolute difference between the arrays of two pytrees of one
+    structure (gathered to the host)."""
+    return max(float(np.abs(np.asarray(u) - np.asarray(v)).max())
+               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

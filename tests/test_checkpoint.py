@@ -1,0 +1,156 @@
+"""Sharded checkpoints (dpbook.torch.checkpoint, dpbook.jax.checkpoint): an FSDP2 model
+born on ``meta`` holds only its shards; a DCP checkpoint saved on 2 gloo processes loads
+on 3 and in one process bit for bit, and continues like the one-process run within
+lr/1000 per step; the full state dict for export lands on rank 0 only. An Orbax
+checkpoint saved on 4 emulated devices restores onto 2 and 3 others with their
+shardings, equal, and trains on like one device. The pages' checked exercises: the
+references pass, known-wrong resumes fail with their hints."""
+from __future__ import annotations
+
+import os
+
+import jax
+import orbax.checkpoint as ocp
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict)
+
+from dpbook import exercises
+from dpbook.jax import checkpoint as jax_ckpt
+from dpbook.jax import exercises as jax_exercises
+from dpbook.jax import fsdp
+from dpbook.torch import checkpoint as ckpt
+from dpbook.torch import exercises as torch_exercises
+
+WIDTH = 48          # 784·48 + 48² + 480 weights + 106 biases
+PARAMS = 40_522
+
+
+# ---------------------------------------------------------------- PyTorch: DCP, FSDP2
+
+def test_mlp_size():
+    assert sum(p.numel() for p in ckpt.mlp(WIDTH).parameters()) == PARAMS
+    with torch.device("meta"):
+        net = ckpt.mlp(WIDTH)
+    assert ckpt.whole_bytes(net) == 4 * PARAMS and ckpt.local_bytes(net) == 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_saved_on_2_resumes_on_3_like_one_process(tmp_path):
+    more = 2
+    runs = ckpt.save_and_resume(WIDTH, tmp_path, save_on=2, resume_on=3, steps=2,
+                                more=more, batch_size=12)
+    # birth: nothing in storage until to_empty, then about half the rows each
+    for r in runs["save"]:
+        b = r["birth"]
+        assert b["meta"] == b["sharded"] == 0 and b["whole"] == 4 * PARAMS
+        assert 0.45 * b["whole"] <= b["materialized"] <= 0.55 * b["whole"]
+        assert b["equal_to_rank0"] == [True, False] and b["same_seed_equal"]
+        assert b["within_bound"] and b["shard_shape"] == (WIDTH // 2, 784)
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(runs["save"][0]["files"])
+    saved = runs["saved"]
+    assert len(saved) == 6 + 6 * 3           # 6 parameters; step and 2 moments each
+    for n in (3, 1):
+        assert runs[n]["loaded"].keys() == saved.keys()
+        assert all(torch.equal(runs[n]["loaded"][k], saved[k]) for k in saved), n
+    params = [k for k in saved if not k.startswith("optim.")]
+    diff = max((runs[3]["after"][k] - runs[1]["after"][k]).abs().max().item()
+               for k in saved)
+    moved = max((runs[1]["after"][k] - saved[k]).abs().max().item() for k in params)
+    assert diff < more * ckpt.LR / 1000 < moved
+    # export: the whole state on rank 0 only; 3 ranks hold about a third each
+    exported = [r["exported"] for r in runs["save"]]
+    assert exported[0] >= 3 * 4 * PARAMS and exported[1] == 0
+    held = [r["held"] for r in runs["resume"]]
+    assert sum(held) >= 3 * 4 * PARAMS and max(held) < 0.4 * 3 * 4 * PARAMS
+
+
+def model_only_resume(model, optimizer, path):
+    state = get_model_state_dict(model)
+    dcp.load({"model": state}, checkpoint_id=path)
+    set_model_state_dict(model, state)
+
+
+def unset_resume(model, optimizer, path):          # dcp.load fills the tensors only
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def fresh_resume(model, optimizer, path):           # loads nothing
+    pass
+
+
+@pytest.mark.parametrize("wrong, hint", [(model_only_resume, "resume-optimizer"),
+                                         (unset_resume, "resume-param-groups"),
+                                         (fresh_resume, "resume-model")])
+def test_check_resume(wrong, hint, capsys):
+    assert torch_exercises.check_resume(ckpt.load) is None
+    assert "✓" in capsys.readouterr().out
+    failure = torch_exercises.check_resume(wrong)
+    assert failure is not None and failure.hint == hint
+    assert exercises.HINTS[hint]["en"] in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- JAX: Orbax
+
+def test_orbax_restores_onto_other_device_counts(tmp_path):
+    devices = jax.devices("cpu")
+    assert len(devices) >= 8
+    old = fsdp.make_auto_mesh(devices[:4])
+    state, _ = jax_ckpt.new_state(old)
+    state, _ = jax_ckpt.train(state, old, range(2), 24)
+    path = tmp_path / "step2"
+    jax_ckpt.save(path, state)
+    after = {}
+    for k in (2, 3, 1):
+        mesh = fsdp.make_auto_mesh(devices[8 - k:])
+        fresh, shardings = jax_ckpt.new_state(mesh, seed=1)
+        restored = jax_ckpt.restore(path, jax_ckpt.abstract_state(fresh, shardings))
+        assert type(restored) is type(state)
+        assert jax_ckpt.max_abs_difference(restored, state) == 0
+        assert jax_ckpt.shardings_equal(restored, shardings)
+        assert {d.id for d in jax.tree.leaves(restored)[1].sharding.device_set} == \
+            {d.id for d in devices[8 - k:]}
+        after[k], _ = jax_ckpt.train(restored, mesh, range(2, 3), 24)
+    moved = jax_ckpt.max_abs_difference(after[1].params, state.params)
+    for k in (2, 3):
+        assert jax_ckpt.max_abs_difference(after[k], after[1]) < 1e-3 / 1000 < moved
+    # no target: nested dicts, on the saved mesh
+    with ocp.StandardCheckpointer() as checkpointer:
+        plain = checkpointer.restore(os.path.abspath(path))
+    assert isinstance(plain, dict)
+    assert jax.tree.leaves(plain)[1].sharding.device_set <= set(devices[:4])
+
+
+def restore_right(path, state):
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    return jax_ckpt.restore(path, jax_ckpt.abstract_state(state, shardings))
+
+
+def restore_untargeted(path, state):
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(os.path.abspath(path))
+
+
+def restore_unsharded_target(path, state):
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(os.path.abspath(path), target)
+
+
+def restore_params_only(path, state):
+    return state.replace(params=restore_right(path, state).params)
+
+
+def test_check_restore(capsys):
+    assert jax_exercises.check_restore(restore_right) is None
+    assert "✓" in capsys.readouterr().out
+    for wrong, hint in ((restore_untargeted, "restore-target"),
+                        (restore_unsharded_target, "restore-sharding"),
+                        (restore_params_only, "restore-optimizer")):
+        failure = jax_exercises.check_restore(wrong)
+        assert failure is not None and failure.hint == hint, (wrong.__name__, failure)
+        assert exercises.HINTS[hint]["en"] in capsys.readouterr().out
