@@ -20,7 +20,8 @@ from .models import seeded
 __all__ = ["check_replicate", "check_allreduce", "check_split_batch", "check_dp_step",
            "check_accumulation", "check_shard", "check_buckets", "check_two_bit",
            "check_atomic_save", "check_ring_allreduce", "check_finish_callback",
-           "check_main_grad", "check_resume"]
+           "check_main_grad", "check_resume", "check_break_even", "check_prefetch_schedule",
+           "check_accumulation_cost"]
 
 
 def _devices(k: int) -> list[torch.device]:
@@ -819,3 +820,110 @@ def check_resume(fn: Callable[[torch.nn.Module, torch.optim.Optimizer, str], obj
         return None
 
     return run_check("resume", cases, run_case, quiet)
+
+
+# ---------------------------------------------------------------- when communication hides
+
+def check_break_even(fn: Callable[[float, int, float, float, float], float],
+                     quiet: bool = False) -> Failure | None:
+    """Check ``fn(nbytes, world_size, alpha, beta, seconds_per_example) -> b*``: the
+    per-device batch whose backward pass lasts as long as a ring allreduce of ``nbytes``
+    in the α–β model (:func:`dpbook.costmodel.break_even_batch`)."""
+    import math
+    from .. import costmodel
+    cases = [(f"{n:,} bytes on {w} devices, alpha = {a * 1e6:g} us, 1/beta = "
+              f"{1 / b / 1e9:g} GB/s, backward {t * 1e6:g} us per example", (n, w, a, b, t))
+             for n, w, a, b, t in ((1e6, 2, 0.0, 1e-9, 1e-4), (1e6, 4, 0.0, 1e-9, 1e-4),
+                                   (1e6, 4, 1e-5, 1e-9, 1e-4), (1e8, 8, 3e-6, 1 / 450e9,
+                                                                 2.7e-4))]
+
+    def run_case(case):
+        n, w, a, b, t = case
+        got, want = float(fn(*case)), costmodel.break_even_batch(*case)
+        if math.isclose(got, want, rel_tol=1e-6):
+            return None
+        seen = f"b* = {got:g}, expected {want:g}"
+        comm = 2 * (w - 1) * a + 2 * (w - 1) / w * n * b
+        if math.isclose(got, t / comm, rel_tol=1e-6):
+            return Failure("break-even-inverted", seen)
+        if math.isclose(got, (2 * (w - 1) * a + 2 * n * b) / t, rel_tol=1e-6):
+            return Failure("break-even-ring", seen)
+        if math.isclose(got, 2 * (w - 1) / w * n * b / t, rel_tol=1e-6):
+            return Failure("break-even-latency", seen)
+        return Failure("break-even-value", seen)
+
+    return run_check("break_even", cases, run_case, quiet)
+
+
+def check_prefetch_schedule(fn: Callable[[int], Sequence[tuple[str, int]]],
+                            quiet: bool = False) -> Failure | None:
+    """Check ``fn(num_units)``: the order of one ZeRO-3 step with a one-unit prefetch,
+    as :attr:`dpbook.torch.zero.ZeroModel.events` records it — ``("gather", i)`` when
+    unit i's all-gather is issued, ``("forward", i)`` / ``("backward", i)`` when it
+    starts to compute (:func:`dpbook.torch.zero.prefetch_schedule`)."""
+    from .profiling import gathers_ahead
+    from .zero import prefetch_schedule
+    cases = [(f"{n} unit(s)", n) for n in (1, 2, 3, 5)]
+
+    def run_case(n):
+        got = [(str(kind), int(i)) for kind, i in fn(n)]
+        seen = f"{got}"
+        computes = [e for e in got if e[0] != "gather"]
+        if computes != ([("forward", i) for i in range(n)]
+                        + [("backward", i) for i in reversed(range(n))]):
+            return Failure("prefetch-compute-order", seen)
+        gathered: set = set()
+        most = 0
+        for kind, i in got:
+            if kind == "gather":
+                gathered.add(i)
+                most = max(most, len(gathered))
+            elif i not in gathered:
+                return Failure("prefetch-missing", f"{kind} of unit {i} before its gather: "
+                               + seen)
+            else:
+                gathered.discard(i)            # computed: freed
+        if most > 2:
+            return Failure("prefetch-memory", f"{most} units gathered at once: {seen}")
+        ahead, total = gathers_ahead(got)
+        want = gathers_ahead(prefetch_schedule(n))
+        if (ahead, total) != want:
+            return Failure("prefetch-late", f"{ahead} of {total} computations had their "
+                           f"gather issued a unit early, expected {want[0]}: {seen}")
+        return None if got == prefetch_schedule(n) else Failure("prefetch-order", seen)
+
+    return run_check("prefetch_schedule", cases, run_case, quiet)
+
+
+def check_accumulation_cost(fn: Callable[[int, int, int, bool], tuple[float, float]],
+                            quiet: bool = False) -> Failure | None:
+    """Check ``fn(numel, world_size, k, keep) -> (sent, held)`` for ZeRO-2 with float32
+    gradients and k micro-batches per step: the bytes one rank sends for the gradients in
+    one step (reduce-scatters, ring), and the bytes of gradients it holds between two
+    micro-batches; ``keep``: the first k - 1 backward passes under ``no_sync``. Slices
+    are padded as :class:`dpbook.torch.zero.Shard` pads them."""
+    import math
+    cases = [(f"{numel:,} values on {w} ranks, k = {k}, keep={keep}", (numel, w, k, keep))
+             for numel in (12, 1000) for w in (2, 4) for k in (3, 2) for keep in (False, True)]
+
+    def expected(numel, w, k, keep):
+        padded = 4 * w * math.ceil(numel / w)
+        sent = (1 if keep else k) * (w - 1) / w * padded
+        return sent, (4 * numel if keep else padded / w)
+
+    def run_case(case):
+        numel, w, k, keep = case
+        got = tuple(float(v) for v in fn(*case))
+        sent, held = expected(*case)
+        seen = f"(sent, held) = {got}, expected ({sent:g}, {held:g})"
+        if not math.isclose(got[0], sent, rel_tol=1e-9):
+            if math.isclose(got[0], (k if keep else 1 / k) * sent, rel_tol=1e-9):
+                return Failure("accum-cost-sent", seen)
+            if math.isclose(got[0], 2 * sent, rel_tol=1e-9):
+                return Failure("accum-cost-allreduce", seen)
+            return Failure("accum-cost-sent", seen)
+        if not math.isclose(got[1], held, rel_tol=1e-9):
+            return Failure("accum-cost-held", seen)
+        return None
+
+    return run_check("accumulation_cost", cases, run_case, quiet)
