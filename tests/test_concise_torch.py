@@ -173,6 +173,26 @@ def test_spawn_hosts_the_rendezvous_on_a_bound_port():
     assert "MASTER_PORT" not in os.environ or os.environ["MASTER_PORT"] != port
 
 
+def _port_of_the_store(rank, world_size):
+    with dist.process_group(rank, world_size):
+        x = torch.tensor([1.0])
+        torch.distributed.all_reduce(x)
+    assert x.item() == world_size
+
+
+@pytest.mark.timeout(180)
+def test_spawn_twice_through_one_fork_server():
+    """A fork server outlives the call that started it and its children inherit its
+    environment: the second call's children must still find the second call's store (the
+    port travels as an argument, not in the environment)."""
+    from dpbook.torch import exercises
+    with exercises._forkserver() as method:     # the book's user of a fork server
+        if method != "forkserver":
+            pytest.skip("no forkserver start method on this platform")
+        for _ in range(2):
+            dist.spawn(_port_of_the_store, 2, timeout=90, start_method=method)
+
+
 @pytest.mark.timeout(120)
 def test_spawn_times_out_and_reaps():
     tik = time.monotonic()

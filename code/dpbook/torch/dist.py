@@ -148,29 +148,32 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, timeout: float = 300,
         raise ValueError(f"need at least one process, got {nprocs}")
     store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout),
                           wait_for_workers=False)          # port 0: the system picks one
-    port = str(store.port)
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", _HOSTED)}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **{_HOSTED: port})
+    context = None
     try:
-        context = mp.start_processes(fn, args=(nprocs, *args), nprocs=nprocs, join=False,
+        # The port travels as an argument, not in this process's environment: a fork
+        # server started by an earlier call would hand its children that call's port.
+        context = mp.start_processes(_joining_the_store, nprocs=nprocs, join=False,
+                                     args=(store.port, fn, nprocs, *args),
                                      start_method=start_method)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    deadline = time.monotonic() + timeout
-    try:
+        deadline = time.monotonic() + timeout
         while not context.join(timeout=0.5):     # raises if a child failed
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{nprocs} processes still running after {timeout} s")
     finally:
-        for p in context.processes:              # reap everything, whatever happened
+        # reap everything, whatever happened
+        for p in context.processes if context else ():
             if p.is_alive():
                 p.kill()
             p.join()
         del store
+
+
+def _joining_the_store(rank: int, port: int, fn: Callable[..., Any], nprocs: int,
+                       *args: Any) -> None:
+    """A child of :func:`spawn`: point ``MASTER_ADDR``/``MASTER_PORT`` at the parent's
+    store (:func:`init_process` joins it as a client), then run ``fn(rank, nprocs, *args)``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{_HOSTED: str(port)})
+    fn(rank, nprocs, *args)
 
 
 # Set in a child of `run` (the parent decided where every rank goes); read by init_process.
@@ -308,7 +311,11 @@ def slowest_seconds(fn: Callable[[], Any], device: torch.device | None = None) -
 
 def _hosted_store(timeout: datetime.timedelta):
     """In a child of :func:`spawn`, a client of the store its parent hosts, with keys
-    private to this group (a worker may join and leave more than one); else ``None``."""
+    private to this group (a worker may join and leave more than one); else ``None``.
+
+    The groups are told apart by how many this process has joined, so every rank must
+    join the same groups in the same order (every worker of the book does); a group that
+    only some ranks join would wait for the others until ``timeout``."""
     global _GROUPS
     port = os.environ.get("MASTER_PORT")
     if port is None or os.environ.get(_HOSTED) != port:
