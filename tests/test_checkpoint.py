@@ -86,12 +86,15 @@ def fresh_resume(model, optimizer, path):           # loads nothing
 @pytest.mark.parametrize("wrong, hint", [(model_only_resume, "resume-optimizer"),
                                          (unset_resume, "resume-param-groups"),
                                          (fresh_resume, "resume-model")])
-def test_check_resume(wrong, hint, capsys):
+def test_check_resume(wrong, hint, capsys, monkeypatch):
     assert torch_exercises.check_resume(ckpt.load) is None
     assert "✓" in capsys.readouterr().out
     failure = torch_exercises.check_resume(wrong)
     assert failure is not None and failure.hint == hint
     assert exercises.HINTS[hint]["en"] in capsys.readouterr().out
+    monkeypatch.setenv("DPBOOK_LANG", "zh")
+    assert torch_exercises.check_resume(wrong).hint == hint
+    assert exercises.HINTS[hint]["zh"] in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- JAX: Orbax
@@ -100,8 +103,9 @@ def test_orbax_restores_onto_other_device_counts(tmp_path):
     devices = jax.devices("cpu")
     assert len(devices) >= 8
     old = fsdp.make_auto_mesh(devices[:4])
-    state, _ = jax_ckpt.new_state(old)
-    state, _ = jax_ckpt.train(state, old, range(2), 24)
+    state = jax_ckpt.initial_state(0)          # as if trained: nonzero moments and count
+    state = state.replace(opt_state=jax.tree.map(lambda x: x + 1, state.opt_state))
+    state, _ = jax_ckpt.place(state, old)
     path = tmp_path / "step2"
     jax_ckpt.save(path, state)
     after = {}
@@ -114,9 +118,10 @@ def test_orbax_restores_onto_other_device_counts(tmp_path):
         assert jax_ckpt.shardings_equal(restored, shardings)
         assert {d.id for d in jax.tree.leaves(restored)[1].sharding.device_set} == \
             {d.id for d in devices[8 - k:]}
-        after[k], _ = jax_ckpt.train(restored, mesh, range(2, 3), 24)
+        if k != 3:                              # (3: one compilation less)
+            after[k], _ = jax_ckpt.train(restored, mesh, range(2, 3), 24)
     moved = jax_ckpt.max_abs_difference(after[1].params, state.params)
-    for k in (2, 3):
+    for k in (2,):
         assert jax_ckpt.max_abs_difference(after[k], after[1]) < 1e-3 / 1000 < moved
     # no target: nested dicts, on the saved mesh
     with ocp.StandardCheckpointer() as checkpointer:
@@ -145,7 +150,7 @@ def restore_params_only(path, state):
     return state.replace(params=restore_right(path, state).params)
 
 
-def test_check_restore(capsys):
+def test_check_restore(capsys, monkeypatch):
     assert jax_exercises.check_restore(restore_right) is None
     assert "✓" in capsys.readouterr().out
     for wrong, hint in ((restore_untargeted, "restore-target"),
@@ -154,3 +159,6 @@ def test_check_restore(capsys):
         failure = jax_exercises.check_restore(wrong)
         assert failure is not None and failure.hint == hint, (wrong.__name__, failure)
         assert exercises.HINTS[hint]["en"] in capsys.readouterr().out
+    monkeypatch.setenv("DPBOOK_LANG", "zh")
+    assert jax_exercises.check_restore(restore_params_only).hint == "restore-optimizer"
+    assert exercises.HINTS["restore-optimizer"]["zh"] in capsys.readouterr().out
