@@ -83,14 +83,18 @@ def test_gather_lanes_and_order_from_a_sharded_trace():
         x("ZeroModel::post_forward (b)", 6000, 10),
         x("autograd::engine::evaluate_function: AddmmBackward0", 7000, 500),
         x("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", 7500, 9),
-        x("gloo:all_reduce", 7600, 300, tid=2)]}
+        x("gloo:all_reduce", 7600, 300, tid=2),
+        x("autograd::engine::evaluate_function: MmBackward0", 8000, 1000),
+        x("ZeroModel::pre_backward (b)", 8100, 300)]}          # the wait: not compute
     lanes = profiling.gather_timeline(trace)
-    assert lanes == {"compute": [(1.0, 3.0), (5.1, 0.9), (7.0, 0.5)],
+    assert lanes == {"compute": [(1.0, 3.0), (5.1, 0.9), (7.0, 0.5), (8.0, 0.1),
+                                 (8.4, 0.6)],
                      "all-gather": [(0.55, 2.0)], "reduce-scatter": [(7.6, 0.3)]}
     assert profiling.overlap_fraction(lanes, "all-gather", "compute") == pytest.approx(
         0.775)                                     # 1.55 of 2 ms during a's forward
     order = profiling.gather_order(trace)
-    assert order == [("gather", "a"), ("gather", "b"), ("forward", "a"), ("forward", "b")]
+    assert order == [("gather", "a"), ("gather", "b"), ("forward", "a"), ("forward", "b"),
+                     ("backward", "b")]
     assert profiling.gathers_ahead(order) == (1, 2)
     fsdp = {"traceEvents": [
         x("FSDP::pre_forward (0)", 0, 100), x("FSDP::forward_prefetch for 3", 150, 300),

@@ -191,7 +191,8 @@ def gather_timeline(trace: dict) -> dict[str, list[tuple[float, float]]]:
     """The lanes of a profiled ZeRO-3 or FSDP2 step on the CPU, as ``(start, length)`` in
     milliseconds from the step's first event: ``"compute"`` (each unit's forward, from
     the end of its pre-forward mark to its post-forward mark, and autograd's backward
-    functions, those that run hooks left out), ``"all-gather"`` and ``"reduce-scatter"``
+    functions, those that run hooks left out, less the pre-backward marks, in which a
+    unit waits for its gather), ``"all-gather"`` and ``"reduce-scatter"``
     (gloo's spans on its own threads: from the moment gloo takes the collective until it
     is done, waiting for the other rank included; gloo runs a reduce-scatter as an
     ``all_reduce``)."""
@@ -200,22 +201,43 @@ def gather_timeline(trace: dict) -> dict[str, list[tuple[float, float]]]:
     lanes: dict[str, list[tuple[float, float]]] = {
         "compute": [], "all-gather": [], "reduce-scatter": []}
     opened: dict[str, float] = {}
-    for step, name, a, b in _marks(trace):
+    waits = []                  # pre-backward marks: the gather runs inside a backward
+    for step, name, a, b in _marks(trace):       # function (a hook on its input)
         if step == "pre_forward":
             opened[name] = b
         elif step == "post_forward" and name in opened:
             lanes["compute"].append((opened[name], a - opened.pop(name)))
+        elif step == "pre_backward":
+            waits.append((a, b - a))
     hooks = ("AccumulateGrad", "PostBackward", "PreBackward", "BackwardHook")
+    backward = [(e["ts"], e["dur"]) for e in events
+                if e["name"].startswith("autograd::engine::evaluate_function:")
+                and not any(h in e["name"] for h in hooks)]
+    lanes["compute"] += _subtract(_union(backward), _union(waits))
     for e in events:
-        if (e["name"].startswith("autograd::engine::evaluate_function:")
-                and not any(h in e["name"] for h in hooks)):
-            lanes["compute"].append((e["ts"], e["dur"]))
-        elif e["name"] in ("gloo:all_gather", "gloo:all_gather_into_tensor"):
+        if e["name"] in ("gloo:all_gather", "gloo:all_gather_into_tensor"):
             lanes["all-gather"].append((e["ts"], e["dur"]))
         elif e["name"] in ("gloo:all_reduce", "gloo:reduce_scatter"):
             lanes["reduce-scatter"].append((e["ts"], e["dur"]))
     return {lane: sorted(((a - start) / 1e3, d / 1e3) for a, d in spans)
             for lane, spans in lanes.items()}
+
+
+def _subtract(spans: Sequence[tuple[float, float]], holes: Sequence[tuple[float, float]]
+              ) -> list[tuple[float, float]]:
+    """``(start, length)`` of what of ``spans`` (``(start, end)``) lies outside
+    ``holes`` (``(start, end)``), both sorted and disjoint."""
+    out = []
+    for a, b in spans:
+        for c, d in holes:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c - a))
+            a = max(a, d)
+        if b > a:
+            out.append((a, b - a))
+    return out
 
 
 def gather_order(trace: dict) -> list[tuple[str, str]]:
