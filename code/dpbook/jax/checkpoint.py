@@ -55,10 +55,16 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
 @functools.lru_cache(maxsize=4)
 def initial_state(seed: int = 0):
     """A fresh LeNet + Adam state (:func:`dpbook.jax.fsdp.create_adam_state`) from
-    ``seed``, on the default device; built once per seed (it takes seconds on a CPU:
-    optax initializes the moments array by array), immutable, so shared."""
+    ``seed``, on the default device; made by one jitted function (optax initializes the
+    moments array by array, which takes seconds run eagerly on a CPU), once per seed,
+    immutable, so shared."""
+    return _create(jax.random.key(seed))
+
+
+@jax.jit
+def _create(key: jax.Array):
     from .models import LeNet
-    return fsdp.create_adam_state(LeNet(), jax.random.key(seed))
+    return fsdp.create_adam_state(LeNet(), key)
 
 
 def new_state(mesh: jax.sharding.Mesh, seed: int = 0):
