@@ -120,7 +120,7 @@ def test_compute_rate_is_a_line_through_the_step_times():
 
 @pytest.mark.multiprocess
 def test_sweep_returns_a_fit_and_a_share_per_batch():
-    out = overlap.sweep(2, [2, 32], sizes=(2**12, 2**18), repeats=2)
+    out = overlap.sweep(2, [2, 32], sizes=(2**12, 2**22), repeats=2)    # 4 KB, 4 MB
     alpha, beta = costmodel.fit(out["allreduce"])
     assert alpha >= 0 and beta > 0
     assert [s["batch"] for s in out["steps"]] == [2, 32]
