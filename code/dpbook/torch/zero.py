@@ -25,7 +25,11 @@ backward reaches the unit, so there every rank must run the same units (FSDP2's 
   all-gathers a layer's parameters before its forward, frees them after, all-gathers them
   again before its backward, and reduce-scatters their gradients. Train it with any
   optimizer over :meth:`ZeroModel.shards`; an optimizer over ``ZeroModel.parameters()``
-  stops at its first step with a message that says so.
+  stops at its first step with a message that says so. ``prefetch=True`` issues each
+  unit's all-gather one unit early (:func:`prefetch_schedule`).
+* Both take a ``reduce_dtype`` (the dtype the gradients are summed in) and a
+  ``no_sync()`` for gradient accumulation without a reduce-scatter per micro-batch;
+  :func:`accumulation` measures what each way of accumulating costs.
 
 Elementwise optimizers (SGD, momentum, Adam, AdamW) give the same step sharded or not; one
 that needs the whole gradient (gradient clipping by the global norm) needs one more
