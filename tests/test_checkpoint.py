@@ -83,7 +83,13 @@ def fresh_resume(model, optimizer, path):           # loads nothing
     pass
 
 
+def moment_lost_resume(model, optimizer, path):     # a parameter's state lacks a key
+    ckpt.load(model, optimizer, path)
+    del optimizer.state[next(model.parameters())]["exp_avg_sq"]
+
+
 @pytest.mark.parametrize("wrong, hint", [(model_only_resume, "resume-optimizer"),
+                                         (moment_lost_resume, "resume-optimizer"),
                                          (unset_resume, "resume-param-groups"),
                                          (fresh_resume, "resume-model")])
 def test_check_resume(wrong, hint, capsys, monkeypatch):

@@ -56,6 +56,30 @@ def test_float32_main_grad_is_closer_to_float64_than_bf16_grad():
                                                                "torch.float32")
 
 
+def test_fsdp_too_old_names_the_floor_of_dpbook_torch_fsdp(monkeypatch):
+    """The page runs FSDP2 only where this is None; the rest of it needs the book's torch."""
+    from dpbook import versions
+    floor = versions.MODULE_MINIMUM["dpbook.torch.fsdp"]["torch"][0]
+    book = versions.MINIMUM["torch"][0]
+    monkeypatch.delenv("DPBOOK_IGNORE_VERSIONS", raising=False)
+    monkeypatch.setattr(versions, "installed", lambda p: book if p == "torch" else None)
+    assert reduce_precision.fsdp_too_old().startswith(
+        f"dpbook.torch.fsdp needs torch >= {floor} (this is {book}; ")
+    monkeypatch.setenv("DPBOOK_IGNORE_VERSIONS", "1")
+    assert reduce_precision.fsdp_too_old() is None
+    monkeypatch.setattr(versions, "installed", lambda p: floor)
+    monkeypatch.delenv("DPBOOK_IGNORE_VERSIONS")
+    assert reduce_precision.fsdp_too_old() is None
+
+
+def test_the_drift_and_the_check_leave_the_readers_random_state_alone():
+    from dpbook.torch import exercises as torch_exercises
+    state = torch.random.get_rng_state()
+    reduce_precision.accumulation_drift((1, 2))
+    assert torch_exercises.check_main_grad(_right_main_grad, quiet=True) is None
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
 @pytest.mark.timeout(120)
 def test_fsdp2_reduce_dtype():
     from dpbook.versions import parse

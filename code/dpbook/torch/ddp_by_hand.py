@@ -8,7 +8,9 @@ the processes' gradients: the first gradient hook of a backward queues a callbac
 autograd's engine (as picotron does; DDP's reducer queues its own from the hook that
 makes the last bucket ready), which runs at the end of that backward and calls
 :meth:`~DataParallel.finish_gradient_synchronization`, so the training loop looks like
-DDP's. With ``finish_in_backward=False`` the loop calls that
+DDP's. A backward that raises midway never reaches its callback: the next ``forward``
+drops what it left half done (waiting for the allreduces it launched), so the next step
+synchronizes as usual. With ``finish_in_backward=False`` the loop calls that
 method itself after ``backward()`` (the teaching step before the callback); called after
 the callback has run, it does nothing. To accumulate gradients over micro-batches, run
 all but the last backward inside :meth:`~DataParallel.no_sync`, as with DDP::
@@ -67,7 +69,11 @@ class DataParallel(nn.Module):
     synchronize, the counters, ``forward``, ``no_sync``, the gradient hooks and the
     callback that finishes the synchronization at the end of backward (unless
     ``finish_in_backward`` is False: then the training loop calls
-    :meth:`finish_gradient_synchronization`)."""
+    :meth:`finish_gradient_synchronization`).
+
+    A module takes one wrapper for its lifetime: the gradient hooks stay on its
+    parameters (nothing removes them), so after wrapping it again the first wrapper's
+    hooks would still send every gradient, even inside the second's ``no_sync()``."""
 
     def __init__(self, module: nn.Module, finish_in_backward: bool = True):
         super().__init__()
@@ -90,6 +96,8 @@ class DataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
     def forward(self, *args, **kwargs):
+        if self._queued:                       # the last backward raised before its end
+            self._drop_unfinished()
         self._sync_backward = self.require_backward_grad_sync
         self._pending |= self._sync_backward
         return self.module(*args, **kwargs)
@@ -123,6 +131,19 @@ class DataParallel(nn.Module):
     def _finish(self) -> None:
         """Send what is left and wait: each wrapper's own way."""
         raise NotImplementedError
+
+    def _drop_unfinished(self) -> None:
+        """A backward raised after its first gradient hook, so autograd never ran the
+        callback: forget that backward's half-done synchronization (its gradients are
+        partial; the next step starts from ``zero_grad()``)."""
+        self._queued = False
+        self._pending = False
+        self._clear()
+
+    def _clear(self) -> None:
+        """Forget the gradients that arrived; (c) and (d) wait for what they launched
+        (every process launched the same allreduces, so the waits return)."""
+        self._arrived.clear()
 
     def _ready(self, p: nn.Parameter) -> None:
         """(c) and (d) start communicating here; (a) and (b) wait for the end."""
@@ -198,6 +219,9 @@ class OverlapDataParallel(DataParallel):
     def _finish(self) -> None:
         for p in self.order[len(self._work):]:  # the rest, in order (zeros if unused)
             self._work.append(self._allreduce(_grad(p), async_op=True))
+        self._clear()
+
+    def _clear(self) -> None:
         for work in self._work:
             work.wait()
         self._work.clear()
@@ -247,6 +271,11 @@ class BucketedDataParallel(DataParallel):
         self._waiting = [len(b) for b in self.buckets]   # gradients still to come
         self._work: list = []                  # allreduces of buckets 0, 1, … launched
         self._arrived.clear()
+
+    def _clear(self) -> None:
+        for work in self._work:                # waited for: they write into the buffers
+            work.wait()
+        self._reset()
 
     def _slot(self, i: int, j: int) -> torch.Tensor:
         return self._buffers[i][self._offsets[i][j]:self._offsets[i][j + 1]]

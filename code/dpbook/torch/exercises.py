@@ -734,9 +734,9 @@ def check_main_grad(fn: Callable[[torch.nn.Parameter], object], quiet: bool = Fa
     cases = [(f"{k} micro-batch(es)", k) for k in (1, 2, 8, 64)]
 
     def run_case(k):
-        torch.manual_seed(k)
-        model = torch.nn.Linear(16, 4).to(torch.bfloat16)
-        X = torch.randn(k, 8, 16).to(torch.bfloat16)
+        with seeded(k):                        # the reader's random state untouched
+            model = torch.nn.Linear(16, 4).to(torch.bfloat16)
+            X = torch.randn(k, 8, 16).to(torch.bfloat16)
         params = list(model.parameters())
         reference = [torch.zeros(p.shape, dtype=torch.float64) for p in params]
         for Xi in X:                           # each micro-batch's gradient, summed in f64
@@ -803,8 +803,8 @@ def check_resume(fn: Callable[[torch.nn.Module, torch.optim.Optimizer, str], obj
         if wrong:
             return Failure("resume-model", f"parameters {wrong} differ from the saved ones")
         moments = [(i, k) for i, s in saved["state"].items() for k in s
-                   if i not in got["state"] or not torch.equal(
-                       torch.as_tensor(s[k]), torch.as_tensor(got["state"][i].get(k)))]
+                   if i not in got["state"] or k not in got["state"][i] or not torch.equal(
+                       torch.as_tensor(s[k]), torch.as_tensor(got["state"][i][k]))]
         if moments:
             return Failure("resume-optimizer", f"optimizer state {moments[:3]} is not the "
                            f"saved one ({len(got['state'])} of {len(saved['state'])} "

@@ -11,7 +11,9 @@ sum; :func:`accumulation_drift` adds k micro-batches' bfloat16 gradients of a mo
 whose parameters are bfloat16, once in ``.grad`` (bfloat16, what autograd does) and once
 in a float32 ``main_grad`` (:class:`MainGrad`, as Megatron and picotron do).
 :func:`fsdp_reduce_dtype` runs FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
-reduce_dtype=…)`` (needs torch 2.9, :mod:`dpbook.torch.fsdp`).
+reduce_dtype=…)``: it needs torch 2.9 (:mod:`dpbook.torch.fsdp`, imported only when it
+runs, so the rest works with the book's oldest torch); :func:`fsdp_too_old` says whether
+this torch is enough.
 """
 from __future__ import annotations
 
@@ -24,9 +26,10 @@ from torch.nn import functional as F
 
 from .data import random_batch
 from .dist import process_group, run
+from .models import seeded
 
 __all__ = ["relative_error", "fake_gradients", "reduce_drift", "MainGrad",
-           "accumulation_drift", "fsdp_reduce_dtype"]
+           "accumulation_drift", "fsdp_too_old", "fsdp_reduce_dtype"]
 
 
 def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
@@ -80,7 +83,11 @@ class MainGrad:
     parameters): a post-accumulate-grad hook adds each backward's ``p.grad`` to it, in
     float32, and frees ``p.grad``, so the micro-batches add up in float32 although
     autograd computes in bfloat16. :meth:`to_grad` writes the sum into ``.grad`` (cast to
-    the parameter's dtype, for the optimizer), :meth:`zero` starts the next step."""
+    the parameter's dtype, for the optimizer), :meth:`zero` starts the next step.
+
+    A model takes one ``MainGrad`` for its lifetime: the hooks stay on its parameters
+    (nothing removes them), so a second ``MainGrad``'s hooks would run after the
+    first's, which has already freed ``p.grad``."""
 
     def __init__(self, model: nn.Module):
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -103,8 +110,9 @@ class MainGrad:
 
 
 def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 10))
+    with seeded(0):                            # the reader's random state untouched
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 128), nn.ReLU(),
+                             nn.Linear(128, 10))
 
 
 def accumulation_drift(ks: Sequence[int] = (1, 4, 16, 64), micro_batch: int = 8) -> dict:
@@ -184,6 +192,19 @@ def fsdp_worker(rank: int, world_size: int, reduce_dtypes: Sequence[torch.dtype]
                 "reduce_scatter_bytes": traffic.full_bytes.get("reduce-scatter", 0),
                 "error": relative_error(flat, exact)}
         return out
+
+
+def fsdp_too_old() -> str | None:
+    """The one-line message if this torch is older than FSDP2 on gloo needs (the floor of
+    :mod:`dpbook.torch.fsdp` in ``versions.yml``), else ``None``; the page runs
+    :func:`fsdp_reduce_dtype` only where it is ``None`` (always ``None`` with
+    ``DPBOOK_IGNORE_VERSIONS=1``, as :func:`dpbook.versions.require_for`)."""
+    import os
+    from ..versions import MODULE_MINIMUM, too_old
+    if os.environ.get("DPBOOK_IGNORE_VERSIONS") == "1":     # as require_for
+        return None
+    return too_old("torch", minimum=MODULE_MINIMUM["dpbook.torch.fsdp"],
+                   who="dpbook.torch.fsdp")
 
 
 def fsdp_reduce_dtype(nprocs: int = 2, reduce_dtypes: Sequence[torch.dtype] = (
