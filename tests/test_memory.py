@@ -1,6 +1,7 @@
 """Activation memory (dpbook.sharding's activation formulas, dpbook.torch.memory): the
 formulas and their errors, the measured peak against the model within the page's factor,
-checkpointing equal to no checkpointing, and the checked exercise on an MLP's activations."""
+checkpointing equal to no checkpointing (parameters, BatchNorm buffers, eval outputs),
+and the checked exercise on an MLP's activations."""
 from __future__ import annotations
 
 import copy
@@ -25,6 +26,7 @@ def test_transformer_formula_is_korthikanti_and_checkpointing_keeps_layer_inputs
     assert sharding.transformer_activation_bytes(s, 2 * b, h, a, L) == pytest.approx(
         2 * L * per_layer)
     assert sharding.activation_bytes(100, 8, 2) == 1600
+    assert type(sharding.activation_bytes(100, 8)) is int       # as annotated: bytes
 
 
 def test_devices_to_fit_counts_activations():
@@ -83,8 +85,16 @@ def test_checkpointing_equals_no_checkpointing_and_saves_memory():
     assert memory.step_peak(ckpt, X, y) < memory.step_peak(net, X, y)
     plain = memory.train_sgd(copy.deepcopy(net), batches)
     ckpt = memory.train_sgd(ckpt, batches)
-    # the same kernels on the same inputs: bitwise equal on the CPU
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), ckpt.parameters()))
+    # the same kernels on the same inputs: bitwise equal on the CPU, parameters and
+    # buffers (BatchNorm's running statistics, num_batches_tracked: the recomputation
+    # must not update them a second time)
+    want, got = plain.state_dict(), ckpt.state_dict()
+    assert [k.replace(".block.", ".") for k in got] == list(want)
+    assert all(torch.equal(p, q) for p, q in zip(want.values(), got.values()))
+    assert want["3.0.bn1.num_batches_tracked"] == len(batches) + 1   # + step_peak's step
+    plain.eval(), ckpt.eval()
+    with torch.no_grad():
+        assert torch.equal(plain(X), ckpt(X))
 
 
 def test_peak_bytes_rejects_other_devices():

@@ -1,7 +1,8 @@
 """Activation memory in JAX (dpbook.jax.memory): PolicyLeNet runs LeNet's parameters,
-with policy=None it is fsdp.RematLeNet, every policy gives the same step, and on releases
-where remat changes the compiled program nothing_saveable needs no more temporaries than
-dots_saveable or no remat; the temporaries follow dpbook.sharding's activation model."""
+with policy=None it is fsdp.RematLeNet, every policy gives the same step, and
+nothing_saveable needs fewer temporaries than no remat where the release's compiler
+rematerializes (jax 0.10; 0.8 compiles the same program for every policy); the
+temporaries follow dpbook.sharding's activation model."""
 from __future__ import annotations
 
 import jax
@@ -37,7 +38,15 @@ def test_policies_give_the_same_step_and_nothing_saveable_the_least_memory():
         assert max_abs_difference(after[name].params, after["plain"].params) < 1e-5
     # RematLeNet is PolicyLeNet with JAX's default policy, which saves nothing
     assert temps["remat"] == temps["none"] == temps["nothing"]
-    assert temps["nothing"] <= min(temps.values())
+    if jax.__version_info__ >= (0, 10):
+        # the release rematerializes: on 0.10.2 plain = dots = 12,486,212 bytes of
+        # temporaries, nothing = 9,025,092
+        assert temps["nothing"] < temps["plain"]
+    elif jax.__version_info__ < (0, 9):
+        # 0.8.2 (checked) compiles the same program for every policy: 7,988,292 bytes
+        assert temps["nothing"] == temps["plain"]
+    else:                     # 0.9 not checked: remat may or may not change the program
+        assert temps["nothing"] <= temps["plain"]
     modelled = sharding.activation_bytes(LENET_VALUES, 64) + 4 * 129_068
     assert 1 / 1.5 <= temps["plain"] / modelled <= 1.5
 

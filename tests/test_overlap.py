@@ -73,6 +73,12 @@ def sliced_accumulation_cost(numel, world_size, k, keep):
     return sent, right_accumulation_cost(numel, world_size, k, False)[1]
 
 
+def unpadded_accumulation_cost(numel, world_size, k, keep):
+    # 4 * numel bytes in place of ZeRO's padded 4 * N * ceil(numel / N)
+    sent = (1 if keep else k) * (world_size - 1) / world_size * 4 * numel
+    return sent, (4 * numel if keep else 4 * numel / world_size)
+
+
 CHECKS = [
     (torch_exercises.check_break_even, costmodel.break_even_batch,
      [(inverted_break_even, "break-even-inverted"), (twice_break_even, "break-even-ring"),
@@ -84,7 +90,8 @@ CHECKS = [
     (torch_exercises.check_accumulation_cost, right_accumulation_cost,
      [(allreduce_accumulation_cost, "accum-cost-allreduce"),
       (k_times_accumulation_cost, "accum-cost-sent"),
-      (sliced_accumulation_cost, "accum-cost-held")]),
+      (sliced_accumulation_cost, "accum-cost-held"),
+      (unpadded_accumulation_cost, "accum-cost-padding")]),
 ]
 IDS = [check.__name__ for check, _, _ in CHECKS]
 

@@ -145,7 +145,7 @@ def step_seconds(num_params: int, stage: int, world_size: int, alpha: float, bet
 
 
 
-def activation_bytes(values_per_example: int, batch: int, bytes_per_value: int = 4) -> float:
+def activation_bytes(values_per_example: int, batch: int, bytes_per_value: int = 4) -> int:
     """Bytes of activations kept for the backward pass on one device: ``values_per_example``
     values kept per example (from the layers' shapes), times the per-device ``batch``, times
     ``bytes_per_value`` (4 in float32, 2 in 16 bits). Linear in the batch: the batch, not

@@ -2,11 +2,13 @@
 memory events on the CPU, the allocator's statistics on CUDA), the bytes autograd saves
 for the backward pass (``saved_tensors_hooks``), the values a model's layers produce per
 example (the input of :func:`dpbook.sharding.activation_bytes`), and activation
-checkpointing per block (``torch.utils.checkpoint``, non-reentrant)."""
+checkpointing per block (``torch.utils.checkpoint``, non-reentrant; the recomputation
+leaves BatchNorm's running statistics as the forward pass left them)."""
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -105,14 +107,38 @@ class Checkpointed(nn.Module):
     """Run ``block`` under activation checkpointing: the forward pass keeps only the
     block's input; the backward pass runs the block again to get what it needs
     (``torch.utils.checkpoint.checkpoint``, ``use_reentrant=False``, PyTorch's
-    recommended form)."""
+    recommended form).
+
+    The recomputation runs in training mode, so BatchNorm would update its running
+    statistics (and ``num_batches_tracked``) a second time. ``context_fn`` gives the
+    recomputation a context that copies the block's BatchNorm buffers before it and
+    writes them back after, so a checkpointed model ends with the same ``state_dict()``
+    as the plain one: parameters and buffers."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, X, use_reentrant=False)
+        return checkpoint(self.block, X, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(),
+                                              _restored_norm_buffers(self.block)))
+
+
+@contextlib.contextmanager
+def _restored_norm_buffers(block: nn.Module) -> Iterator[None]:
+    """Copy the buffers of every BatchNorm in ``block`` (running mean and variance,
+    ``num_batches_tracked``) on entry and write them back on exit, also when the
+    recomputation stops early (non-reentrant checkpointing stops it by raising)."""
+    buffers = [b for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+               for b in m.buffers()]
+    saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, s in zip(buffers, saved):
+                b.copy_(s)
 
 
 def checkpoint_blocks(net: nn.Module, block_type: type[nn.Module] = Residual) -> nn.Module:
