@@ -35,10 +35,11 @@ ALLOWED = {
     ("inside-ddp/pytorch", "2.13"): "the torch release requirements.txt pins, whose "
                                     "reducer.cpp the list of what (d) leaves out describes",
     ("multi-machine/pytorch", "25.6"): "ResNet-50's parameters (millions), torchvision",
-    ("from-scratch/pytorch", "0.15"): "exercise 1: a learning rate to try",
-    ("from-scratch/pytorch", "1.2"): "exercise 1: a learning rate to try",
-    ("from-scratch/jax", "1.2"): "exercise 2: a learning rate to try",
+    ("from-scratch/pytorch", "0.8"): "exercise 1: a learning rate to try",
+    ("from-scratch/jax", "0.8"): "exercise 1: a learning rate to try",
     ("sharded/fsdp", "2.9"): "dpbook/versions.yml: the torch release this page needs",
+    ("sharded/overlap", "2.9"): "dpbook/versions.yml: the torch release FSDP2 needs",
+    ("sharded/overlap", "0.5"): "LeNet's 129,068 float32 gradients: 516 KB",
     ("sharded/fsdp", "2.8"): "dpbook/versions.yml: the torch release whose gloo sums",
 }
 
