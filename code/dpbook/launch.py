@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -19,7 +20,7 @@ from typing import Mapping, Sequence
 
 import psutil
 
-__all__ = ["Result", "LaunchError", "free_port", "run_local"]
+__all__ = ["Result", "LaunchError", "free_port", "run_local", "log_message"]
 
 
 @dataclasses.dataclass
@@ -143,3 +144,26 @@ def run_local(commands: Sequence[Sequence[str]], timeout: float = 120,
         raise LaunchError(f"a command failed (exit codes {codes}); the others were killed. "
                           f"The last lines of command {failed}:\n{tail}", results)
     return results
+
+
+#: the prefix of a line logged by torch's C++ side or by torchrun's Python loggers:
+#: severity and date, time, thread id (Python), source file and line, as in
+#: ``E1126 06:03:25.336000 31393 torch/distributed/elastic/.../api.py:1002] `` and
+#: ``[rank0]:[I1126 08:50:03.131296400 reducer.cpp:1228] ``
+_LOG_PREFIX = re.compile(r"^(\[rank\d+\]:)?\[?[IWEF]\d{4} [\d:.]+ +(\d+ +)?[^\]\s]*\] ")
+
+
+def log_message(line: str) -> str:
+    """What a log line of torch's C++ side or of torchrun says, without its prefix
+    (severity, date, time, thread id, source file); other lines come back as they are.
+
+    >>> log_message("E1126 06:03:25.336000 31393 torch/x/api.py:1002] failed (exitcode: -9)")
+    'failed (exitcode: -9)'
+    >>> log_message("[I1126 08:49:59.758826055 socket.cpp:955] [c10d] connected")
+    '[c10d] connected'
+    >>> log_message("[rank0]:[I1126 08:50:03.131296400 reducer.cpp:1228] Reducer: ...")
+    'Reducer: ...'
+    >>> log_message("[rank 0/2] epoch 1")
+    '[rank 0/2] epoch 1'
+    """
+    return _LOG_PREFIX.sub("", line.strip())
