@@ -1,7 +1,7 @@
 """Activation memory (dpbook.sharding's activation formulas, dpbook.torch.memory): the
-formulas and their errors, the measured peak against the model within the page's factor,
-checkpointing equal to no checkpointing (parameters, BatchNorm buffers, eval outputs),
-and the checked exercise on an MLP's activations."""
+formulas (attention scores stored or fused) and their errors, the measured peak against
+the model within the page's factor, checkpointing equal to no checkpointing (parameters,
+BatchNorm buffers, eval outputs), and the checked exercise on an MLP's activations."""
 from __future__ import annotations
 
 import copy
@@ -27,6 +27,23 @@ def test_transformer_formula_is_korthikanti_and_checkpointing_keeps_layer_inputs
         2 * L * per_layer)
     assert sharding.activation_bytes(100, 8, 2) == 1600
     assert type(sharding.activation_bytes(100, 8)) is int       # as annotated: bytes
+
+
+def test_fused_attention_drops_exactly_the_score_matrices():
+    # by hand: s·b·h = 2048·2·1024 = 4,194,304; 34 of them per layer, 4 layers
+    s, b, h, a, L = 2048, 2, 1024, 16, 4
+    flash = sharding.transformer_activation_bytes(s, b, h, a, L, flash=True)
+    assert flash == 4 * 34 * 4_194_304 == 570_425_344
+    scores = 5 * a * s * s * b                 # 5·16·2048²·2 = 671,088,640 per layer
+    assert sharding.transformer_activation_bytes(s, b, h, a, L) - flash == L * scores
+    # checkpointed: 4 layer inputs of 2·s·b·h, plus one layer recomputed (34·s·b·h)
+    assert sharding.transformer_activation_bytes(
+        s, b, h, a, L, checkpoint=True, flash=True) == (4 * 2 + 34) * 4_194_304
+    # the 7B example: 34·4096·4096·32 bytes, and stage 3 then fits 24 GB and 80 GB devices
+    act = sharding.transformer_activation_bytes(4096, 1, 4096, 32, 32, flash=True)
+    assert act == 18_253_611_008
+    assert sharding.devices_to_fit(7_000_000_000, 24e9, 3, "mixed", activations=act) == 20
+    assert sharding.devices_to_fit(7_000_000_000, 80e9, 3, "mixed", activations=act) == 2
 
 
 def test_devices_to_fit_counts_activations():

@@ -23,7 +23,8 @@ pass. They grow with the per-device batch, not with N, and ZeRO does not shard t
 :func:`activation_bytes` is the count for any network, from the values it keeps per
 example; :func:`transformer_activation_bytes` is the per-layer estimate of Korthikanti et
 al. (2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.1),
-with and without full activation checkpointing (recomputation).
+with and without full activation checkpointing (recomputation), with the attention scores
+stored (the paper's baseline) or not (fused attention).
 """
 from __future__ import annotations
 
@@ -162,13 +163,18 @@ def activation_bytes(values_per_example: int, batch: int, bytes_per_value: int =
 
 
 def transformer_activation_bytes(seq_len: int, batch: int, hidden: int, heads: int,
-                                 layers: int, checkpoint: bool = False) -> float:
+                                 layers: int, checkpoint: bool = False,
+                                 flash: bool = False) -> float:
     """Bytes of activations of ``layers`` transformer layers in 16-bit training, per device.
 
-    Korthikanti et al. (2022), section 4.1: one layer keeps s·b·h·(34 + 5·a·s/h) bytes
-    for sequence length s, per-device batch b, hidden size h and a attention heads (16-bit
-    values, 1-byte dropout masks, attention scores materialized; no tensor parallelism).
-    The 5·a·s/h term, the s×s attention scores, is what fused (flash) attention removes.
+    Korthikanti et al. (2022), section 4.1: one layer of a GPT-style transformer (GeLU MLP
+    4h wide, dropout) keeps s·b·h·(34 + 5·a·s/h) bytes for sequence length s, per-device
+    batch b, hidden size h and a attention heads (16-bit values, 1-byte dropout masks; no
+    tensor parallelism). By default the attention scores are stored, as in the paper's
+    baseline: the 5·a·s/h term is the a score matrices of s×s. With ``flash`` (fused
+    attention, e.g. FlashAttention) they are never stored, and a layer keeps s·b·h·34
+    bytes: the paper's selective recomputation (section 5) drops exactly that term. (A
+    fused kernel keeps a few statistics per row, a·s·b values: not counted.)
     With full activation ``checkpoint`` ing only each layer's input is kept, 2·s·b·h bytes
     per layer (the paper's section 4.2), and during the backward pass one layer at a time
     is recomputed, which holds that layer's activations once more: the peak counted here.
@@ -176,6 +182,8 @@ def transformer_activation_bytes(seq_len: int, batch: int, hidden: int, heads: i
 
     >>> transformer_activation_bytes(2048, 1, 4096, 32, 32) / 1e9
     30.601641984
+    >>> transformer_activation_bytes(2048, 1, 4096, 32, 32, flash=True) / 1e9
+    9.126805504
     """
     for name, value in (("seq_len", seq_len), ("batch", batch), ("hidden", hidden),
                         ("heads", heads), ("layers", layers)):
@@ -184,7 +192,9 @@ def transformer_activation_bytes(seq_len: int, batch: int, hidden: int, heads: i
     if hidden % heads:
         raise ValueError(f"hidden ({hidden}) must divide by heads ({heads})")
     s, b, h, a = seq_len, batch, hidden, heads
-    per_layer = s * b * h * 34 + 5 * a * s * s * b        # s·b·h·(34 + 5·a·s/h)
+    per_layer = s * b * h * 34                            # s·b·h·34
+    if not flash:
+        per_layer += 5 * a * s * s * b                     # + the s×s scores: 5·a·s²·b
     if checkpoint:
         return layers * 2 * s * b * h + per_layer
     return layers * per_layer
