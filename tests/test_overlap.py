@@ -156,3 +156,23 @@ def test_fsdp2_and_zeromodel_prefetch_the_same_way():
         assert max_abs_difference(x["params"], r["ZeroModel"]["params"]) < 1e-6, name
         lanes = profiling.gather_timeline(x["trace"])
         assert lanes["compute"] and lanes["all-gather"] and lanes["reduce-scatter"], name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_fsdp2_reduce_dtype():
+    """The overlap page's reduce dtype: FSDP2 keeps float32 storage and gradients and
+    computes in bfloat16; a float32 reduce-scatter sends twice the bytes and lands far
+    closer to the float64 mean than a bfloat16 one."""
+    from dpbook.versions import VersionError
+    try:
+        import dpbook.torch.fsdp  # noqa: F401  (FSDP2 needs a newer torch: versions.yml)
+    except VersionError as e:
+        pytest.skip(str(e))
+    r = overlap.fsdp_reduce_dtype(2, timeout=100)
+    f32, b16 = r["torch.float32"], r["torch.bfloat16"]
+    for x in (f32, b16):           # fp32 storage and gradients, bf16 compute
+        assert (x["param_dtype"], x["compute_dtype"], x["grad_dtype"]) == (
+            "torch.float32", "torch.bfloat16", "torch.float32")
+    assert f32["reduce_scatter_bytes"] == 2 * b16["reduce_scatter_bytes"] == 4 * 129_068
+    assert f32["error"] < 1e-6 < 1e-4 < b16["error"]

@@ -56,42 +56,12 @@ def test_float32_main_grad_is_closer_to_float64_than_bf16_grad():
                                                                "torch.float32")
 
 
-def test_fsdp_too_old_names_the_floor_of_dpbook_torch_fsdp(monkeypatch):
-    """The page runs FSDP2 only where this is None; the rest of it needs the book's torch."""
-    from dpbook import versions
-    floor = versions.MODULE_MINIMUM["dpbook.torch.fsdp"]["torch"][0]
-    book = versions.MINIMUM["torch"][0]
-    monkeypatch.delenv("DPBOOK_IGNORE_VERSIONS", raising=False)
-    monkeypatch.setattr(versions, "installed", lambda p: book if p == "torch" else None)
-    assert reduce_precision.fsdp_too_old().startswith(
-        f"dpbook.torch.fsdp needs torch >= {floor} (this is {book}; ")
-    monkeypatch.setenv("DPBOOK_IGNORE_VERSIONS", "1")
-    assert reduce_precision.fsdp_too_old() is None
-    monkeypatch.setattr(versions, "installed", lambda p: floor)
-    monkeypatch.delenv("DPBOOK_IGNORE_VERSIONS")
-    assert reduce_precision.fsdp_too_old() is None
-
-
 def test_the_drift_and_the_check_leave_the_readers_random_state_alone():
     from dpbook.torch import exercises as torch_exercises
     state = torch.random.get_rng_state()
     reduce_precision.accumulation_drift((1, 2))
     assert torch_exercises.check_main_grad(_right_main_grad, quiet=True) is None
     assert torch.equal(torch.random.get_rng_state(), state)
-
-
-@pytest.mark.timeout(120)
-def test_fsdp2_reduce_dtype():
-    from dpbook.versions import parse
-    if parse(torch.__version__) < (2, 9):
-        pytest.skip("FSDP2 on gloo needs torch 2.9 (versions.yml, dpbook.torch.fsdp)")
-    r = reduce_precision.fsdp_reduce_dtype(2, timeout=100)
-    f32, b16 = r["torch.float32"], r["torch.bfloat16"]
-    for x in (f32, b16):           # fp32 storage and gradients, bf16 compute
-        assert (x["param_dtype"], x["compute_dtype"], x["grad_dtype"]) == (
-            "torch.float32", "torch.bfloat16", "torch.float32")
-    assert f32["reduce_scatter_bytes"] == 2 * b16["reduce_scatter_bytes"] == 4 * 129_068
-    assert f32["error"] < 1e-6 < 1e-4 < b16["error"]
 
 
 def test_xla_cpu_promotes_a_bf16_all_reduce_to_f32():

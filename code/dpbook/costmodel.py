@@ -22,7 +22,7 @@ import numpy as np
 
 __all__ = ["ALGORITHMS", "coefficients", "predict", "relative_error", "fit", "bus_bandwidth",
            "transfer_seconds", "break_even_batch", "communication_share", "LINKS",
-           "LINK_LATENCY"]
+           "LINK_LATENCY", "DEVICE_FLOPS"]
 
 ALGORITHMS = ("naive", "ring", "tree")
 
@@ -183,6 +183,15 @@ LINK_LATENCY = {
     # RDMA itself takes 1–2 µs (perftest's ib_write_lat); NCCL's model puts a network
     # step, GPU, PCIe and proxy thread included, at 9.6 µs.
     "InfiniBand NDR 400 Gbit/s": 10e-6,
+}
+
+#: Peak dense matrix throughput (floating-point operations per second) of a device, from
+#: the vendor's data sheet. NVIDIA's H100 data sheet (SXM) gives 1,979 teraFLOPS of
+#: BF16 tensor-core throughput "with sparsity"; dense products run at half that: 528
+#: tensor cores × 1,024 FLOPs per clock × 1.83 GHz = 989 teraFLOPS. A peak, like
+#: :data:`LINKS`: real training computes slower.
+DEVICE_FLOPS = {
+    "H100 SXM, bfloat16": 989e12,
 }
 
 

@@ -61,7 +61,7 @@ from .dist import group_devices, process_group, run, slowest_seconds
 
 __all__ = ["DataParallel", "PerParameterDataParallel", "FlatDataParallel",
            "OverlapDataParallel", "BucketedDataParallel", "WRAPPERS", "wrap", "make_buckets",
-           "sync_gradients", "compare", "benchmark"]
+           "sync_gradients", "compare", "backward_events", "benchmark"]
 
 
 class DataParallel(nn.Module):
@@ -92,6 +92,7 @@ class DataParallel(nn.Module):
         self.finish_in_backward = finish_in_backward
         self._queued = False                   # the callback of this backward is queued
         self._pending = False                  # gradients to synchronize
+        self.events: list | None = None        # a list: record hooks and callback
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
@@ -157,6 +158,8 @@ class DataParallel(nn.Module):
 
     def _on_gradient(self, p: nn.Parameter) -> None:
         """Autograd calls this once ``p.grad`` is final in a backward pass."""
+        if self.events is not None:
+            self.events.append(("hook", p, self.calls))
         if not self._sync_backward:
             return                             # forward ran in no_sync(): accumulate
         self._pending = True
@@ -167,6 +170,8 @@ class DataParallel(nn.Module):
 
     def _end_of_backward(self) -> None:
         """Autograd runs this after the last gradient of the backward pass."""
+        if self.events is not None:
+            self.events.append(("callback", None, self.calls))
         self._queued = False
         self.finish_gradient_synchronization()
 
@@ -427,6 +432,32 @@ def compare(nprocs: int, names: Sequence[str] = ("per-parameter", "flat", "overl
         raise ValueError(f"unknown wrapper(s) {unknown}; choose from {list(WRAPPERS)[:-1]}")
     return run(compare_worker, nprocs, list(names), kind, steps, bucket_cap_mb,
                micro_batches, explicit, no_sync, timeout=timeout)
+
+
+def events_worker(rank: int, world_size: int, name: str, bucket_cap_mb: float) -> list:
+    """One backward pass of the ``"mlp"`` model wrapped by ``name``, with
+    :attr:`DataParallel.events` on: rank 0's ``(event, parameter, allreduces started)``
+    in order, the hooks' and the callback's, then ``"returned"`` after ``backward()``."""
+    with process_group(rank, world_size):
+        module = _model("mlp", rank)
+        names = {id(p): n for n, p in module.named_parameters()}
+        model = wrap(name, module, bucket_cap_mb)
+        model.events = []
+        X, y = random_batch(4 * world_size, 0, (32,))
+        X, y = X.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        F.cross_entropy(model(X), y).backward()
+        model.events.append(("returned", None, model.calls))
+        return [(event, names[id(p)] if p is not None else "", calls)
+                for event, p, calls in model.events]
+
+
+def backward_events(nprocs: int, name: str = "bucketed", bucket_cap_mb: float = 0.01,
+                    timeout: float = 120) -> list:
+    """:func:`events_worker` on ``nprocs`` gloo processes: in which order autograd
+    calls the wrapper's gradient hooks and its end-of-backward callback."""
+    if name not in WRAPPERS or name == "ddp":
+        raise ValueError(f"unknown wrapper {name!r}; choose from {list(WRAPPERS)[:-1]}")
+    return run(events_worker, nprocs, name, bucket_cap_mb, on="cpu", timeout=timeout)
 
 
 def bench_worker(rank: int, world_size: int, names: Sequence[str], batch_size: int,

@@ -11,6 +11,11 @@
   FSDP2 (``fully_shard``) with its default and with forward prefetch, trained on the same
   batches and profiled for one step (rank 0's ``torch.profiler`` trace, read by
   :mod:`dpbook.torch.profiling`).
+* :func:`fsdp_reduce_dtype`: one step of LeNet under FSDP2 with
+  ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=…)``, float32 against
+  bfloat16 reduce-scatters: the dtypes, the bytes and the error of the averaged gradient.
+
+FSDP2 (:mod:`dpbook.torch.fsdp`, imported only where used) needs torch 2.9 on gloo.
 
     python -m dpbook.torch.overlap          # the sweep on 2 processes, printed
 """
@@ -30,7 +35,7 @@ from .dist import process_group, run, slowest_seconds
 from .models import lenet
 
 __all__ = ["compute_rate", "sweep_worker", "sweep", "prefetch_worker", "prefetch",
-           "PREFETCH_CONFIGS"]
+           "PREFETCH_CONFIGS", "fsdp_reduce_dtype_worker", "fsdp_reduce_dtype"]
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -214,6 +219,67 @@ def prefetch(nprocs: int = 2, names: Sequence[str] = tuple(PREFETCH_CONFIGS),
                          f"{list(PREFETCH_CONFIGS)}")
     return run(prefetch_worker, nprocs, list(names), batch_size, repeats, on="cpu",
                timeout=timeout)
+
+
+def fsdp_reduce_dtype_worker(rank: int, world_size: int,
+                             reduce_dtypes: Sequence[torch.dtype], batch_size: int
+                             ) -> dict:
+    """LeNet under FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=…)`` for each of ``reduce_dtypes``: one forward and backward; returns
+    the dtypes of the stored parameters, of the first layer's output (the compute dtype)
+    and of the gradients, the reduce-scatter bytes, and the relative error of the
+    averaged gradient against the float64 mean of the processes' bfloat16 gradients
+    (computed without FSDP on a bfloat16 copy of the model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from .fsdp import counting
+    from .reduce_precision import relative_error
+    from .zero import Traffic
+    with process_group(rank, world_size):
+        X, y = random_batch(batch_size, seed=0)
+        X, y = X.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        torch.manual_seed(0)
+        local = lenet().to(torch.bfloat16)                 # this rank's own gradient
+        F.cross_entropy(local(X.to(torch.bfloat16)).float(), y).backward()
+        mine = torch.cat([p.grad.double().reshape(-1) for p in local.parameters()])
+        every = [torch.empty_like(mine) for _ in range(world_size)]
+        dist.all_gather(every, mine)
+        exact = sum(every) / world_size                     # the mean, in float64
+        out = {}
+        for reduce_dtype in reduce_dtypes:
+            torch.manual_seed(0)
+            model = lenet()
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                          reduce_dtype=reduce_dtype)
+            mesh = init_device_mesh("cpu", (world_size,))
+            for layer in model:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            used = []
+            model[0].register_forward_hook(lambda m, i, o: used.append(str(o.dtype)))
+            traffic = Traffic(world_size)
+            with counting(traffic):
+                F.cross_entropy(model(X).float(), y).backward()
+            grads = [p.grad.full_tensor() for p in model.parameters()]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            out[str(reduce_dtype)] = {
+                "param_dtype": str(next(model.parameters()).dtype),
+                "compute_dtype": used[0], "grad_dtype": str(grads[0].dtype),
+                "reduce_scatter_bytes": traffic.full_bytes.get("reduce-scatter", 0),
+                "error": relative_error(flat, exact)}
+        return out
+
+
+def fsdp_reduce_dtype(nprocs: int = 2, reduce_dtypes: Sequence[torch.dtype] = (
+        torch.float32, torch.bfloat16), batch_size: int = 64, timeout: float = 300
+        ) -> dict:
+    """:func:`fsdp_reduce_dtype_worker` on ``nprocs`` gloo processes (torch 2.9 or
+    later, as :mod:`dpbook.torch.fsdp`): ``{str(reduce_dtype): {"param_dtype",
+    "compute_dtype", "grad_dtype", "reduce_scatter_bytes", "error"}}`` from rank 0."""
+    from . import fsdp  # noqa: F401  (checks the torch floor of FSDP2 on CPU)
+    return run(fsdp_reduce_dtype_worker, nprocs, list(reduce_dtypes), batch_size,
+               on="cpu", timeout=timeout)
 
 
 def main() -> None:

@@ -10,10 +10,9 @@ adds bfloat16 in bfloat16) and once in float32, and measures both against the fl
 sum; :func:`accumulation_drift` adds k micro-batches' bfloat16 gradients of a model
 whose parameters are bfloat16, once in ``.grad`` (bfloat16, what autograd does) and once
 in a float32 ``main_grad`` (:class:`MainGrad`, as Megatron and picotron do).
-:func:`fsdp_reduce_dtype` runs FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
-reduce_dtype=…)``: it needs torch 2.9 (:mod:`dpbook.torch.fsdp`, imported only when it
-runs, so the rest works with the book's oldest torch); :func:`fsdp_too_old` says whether
-this torch is enough.
+FSDP2's ``MixedPrecisionPolicy(reduce_dtype=…)`` is measured in
+:func:`dpbook.torch.overlap.fsdp_reduce_dtype` (it needs torch 2.9, as
+:mod:`dpbook.torch.fsdp`; this module runs with the book's oldest torch).
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ from .dist import process_group, run
 from .models import seeded
 
 __all__ = ["relative_error", "fake_gradients", "reduce_drift", "MainGrad",
-           "accumulation_drift", "fsdp_too_old", "fsdp_reduce_dtype"]
+           "accumulation_drift"]
 
 
 def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
@@ -144,74 +143,3 @@ def accumulation_drift(ks: Sequence[int] = (1, 4, 16, 64), micro_batch: int = 8)
                   "main_grad_dtype": str(next(main.parameters()).main_grad.dtype)}
     return out
 
-
-def fsdp_worker(rank: int, world_size: int, reduce_dtypes: Sequence[torch.dtype],
-                batch_size: int) -> dict:
-    """LeNet under FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16,
-    reduce_dtype=…)`` for each of ``reduce_dtypes``: one forward and backward; returns
-    the dtypes of the stored parameters, of the first layer's output (the compute dtype)
-    and of the gradients, the reduce-scatter bytes, and the relative error of the averaged gradient
-    against the float64 mean of the processes' bfloat16 gradients (computed without
-    FSDP on a bfloat16 copy of the model)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from .fsdp import counting
-    from .models import lenet
-    from .zero import Traffic
-    with process_group(rank, world_size):
-        X, y = random_batch(batch_size, seed=0)
-        X, y = X.chunk(world_size)[rank], y.chunk(world_size)[rank]
-        torch.manual_seed(0)
-        local = lenet().to(torch.bfloat16)                 # this rank's own gradient
-        F.cross_entropy(local(X.to(torch.bfloat16)).float(), y).backward()
-        mine = torch.cat([p.grad.double().reshape(-1) for p in local.parameters()])
-        every = [torch.empty_like(mine) for _ in range(world_size)]
-        dist.all_gather(every, mine)
-        exact = sum(every) / world_size                     # the mean, in float64
-        out = {}
-        for reduce_dtype in reduce_dtypes:
-            torch.manual_seed(0)
-            model = lenet()
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                          reduce_dtype=reduce_dtype)
-            mesh = init_device_mesh("cpu", (world_size,))
-            for layer in model:
-                if any(True for _ in layer.parameters()):
-                    fully_shard(layer, mesh=mesh, mp_policy=policy)
-            fully_shard(model, mesh=mesh, mp_policy=policy)
-            used = []
-            model[0].register_forward_hook(lambda m, i, o: used.append(str(o.dtype)))
-            traffic = Traffic(world_size)
-            with counting(traffic):
-                F.cross_entropy(model(X).float(), y).backward()
-            grads = [p.grad.full_tensor() for p in model.parameters()]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            out[str(reduce_dtype)] = {
-                "param_dtype": str(next(model.parameters()).dtype),
-                "compute_dtype": used[0], "grad_dtype": str(grads[0].dtype),
-                "reduce_scatter_bytes": traffic.full_bytes.get("reduce-scatter", 0),
-                "error": relative_error(flat, exact)}
-        return out
-
-
-def fsdp_too_old() -> str | None:
-    """The one-line message if this torch is older than FSDP2 on gloo needs (the floor of
-    :mod:`dpbook.torch.fsdp` in ``versions.yml``), else ``None``; the page runs
-    :func:`fsdp_reduce_dtype` only where it is ``None`` (always ``None`` with
-    ``DPBOOK_IGNORE_VERSIONS=1``, as :func:`dpbook.versions.require_for`)."""
-    import os
-    from ..versions import MODULE_MINIMUM, too_old
-    if os.environ.get("DPBOOK_IGNORE_VERSIONS") == "1":     # as require_for
-        return None
-    return too_old("torch", minimum=MODULE_MINIMUM["dpbook.torch.fsdp"],
-                   who="dpbook.torch.fsdp")
-
-
-def fsdp_reduce_dtype(nprocs: int = 2, reduce_dtypes: Sequence[torch.dtype] = (
-        torch.float32, torch.bfloat16), batch_size: int = 64, timeout: float = 300) -> dict:
-    """:func:`fsdp_worker` on ``nprocs`` gloo processes (torch 2.9 or later, as
-    :mod:`dpbook.torch.fsdp`): ``{str(reduce_dtype): {"param_dtype", "compute_dtype",
-    "grad_dtype", "reduce_scatter_bytes", "error"}}`` from rank 0."""
-    from . import fsdp  # noqa: F401  (checks the torch floor of FSDP2 on CPU)
-    return run(fsdp_worker, nprocs, list(reduce_dtypes), batch_size, on="cpu",
-               timeout=timeout)
