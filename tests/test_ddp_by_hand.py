@@ -299,3 +299,22 @@ def test_finish_callback_exercise(lang, monkeypatch, capsys):
         failure = torch_exercises.check_finish_callback(wrong)
         assert failure is not None and failure.hint == hint, (wrong.__name__, failure)
         assert exercises.HINTS[hint][lang] in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_the_callback_runs_once_after_every_hook():
+    """The order the DDP-by-hand page prints: every parameter's hook, then the
+    end-of-backward callback once, then backward() returns; the callback launches no
+    allreduce the bucketed wrapper had not launched from its hooks, and the per-parameter
+    wrapper launches them all from the callback."""
+    events = ddp_by_hand.backward_events(2, "bucketed", bucket_cap_mb=0.01)
+    kinds = [e for e, _, _ in events]
+    assert kinds[-2:] == ["callback", "returned"] and kinds.count("callback") == 1
+    assert set(kinds[:-2]) == {"hook"}
+    assert events[-2][2] == events[-1][2] > 0
+    events = ddp_by_hand.backward_events(2, "per-parameter")
+    assert [e for e, _, _ in events][-2:] == ["callback", "returned"]
+    assert events[-3][2] == 0 < events[-1][2]          # all sent after the last hook
+    with pytest.raises(ValueError, match="unknown wrapper"):
+        ddp_by_hand.backward_events(2, "ddp")
