@@ -24,8 +24,9 @@ from dpbook.jax import fsdp
 from dpbook.torch import checkpoint as ckpt
 from dpbook.torch import exercises as torch_exercises
 
-WIDTH = 48          # 784·48 + 48² + 480 weights + 106 biases
-PARAMS = 40_522
+WIDTH = 48          # 784·48 + 7·48² + 480 weights + 8·48 + 10 biases
+PARAMS = 54_634
+FIRST = 4 * (784 * 48 + 48)     # bytes of the largest layer, the first
 
 
 # ---------------------------------------------------------------- PyTorch: DCP, FSDP2
@@ -50,9 +51,12 @@ def test_saved_on_2_resumes_on_3_like_one_process(tmp_path):
         assert 0.45 * b["whole"] <= b["materialized"] <= 0.55 * b["whole"]
         assert b["equal_to_rank0"] == [True, False] and b["same_seed_equal"]
         assert b["within_bound"] and b["shard_shape"] == (WIDTH // 2, 784)
+        # in training: one layer gathered whole at a time; Adam's moments sharded too
+        assert r["gathered"] == {"layer_bytes": FIRST, "at_once": 1}
+        assert 3 * b["materialized"] <= r["held"] <= 3 * b["materialized"] + 4 * 18
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(runs["save"][0]["files"])
     saved = runs["saved"]
-    assert len(saved) == 6 + 6 * 3           # 6 parameters; step and 2 moments each
+    assert len(saved) == 18 + 18 * 3         # 18 parameters; step and 2 moments each
     for n in (3, 1):
         assert runs[n]["loaded"].keys() == saved.keys()
         assert all(torch.equal(runs[n]["loaded"][k], saved[k]) for k in saved), n
@@ -114,11 +118,18 @@ def test_orbax_restores_onto_other_device_counts(tmp_path):
     state, _ = jax_ckpt.place(state, old)
     path = tmp_path / "step2"
     jax_ckpt.save(path, state)
+    # born sharded: each array in its sharding, the values of the one-device init
+    born, born_shardings = jax_ckpt.new_state(old, seed=0)
+    assert jax_ckpt.shardings_equal(born, born_shardings)
+    assert jax_ckpt.max_abs_difference(born, jax_ckpt.initial_state(0)) == 0
+    assert max(fsdp.bytes_per_device(born).values()) < 0.3 * sum(
+        x.nbytes for x in jax.tree.leaves(born))
     after = {}
+    shapes = jax.eval_shape(jax_ckpt.init, jax.random.key(0))
     for k in (2, 3, 1):
         mesh = fsdp.make_auto_mesh(devices[8 - k:])
-        fresh, shardings = jax_ckpt.new_state(mesh, seed=1)
-        restored = jax_ckpt.restore(path, jax_ckpt.abstract_state(fresh, shardings))
+        shardings = fsdp.state_shardings(shapes, mesh)
+        restored = jax_ckpt.restore(path, jax_ckpt.abstract_state(shapes, shardings))
         assert type(restored) is type(state)
         assert jax_ckpt.max_abs_difference(restored, state) == 0
         assert jax_ckpt.shardings_equal(restored, shardings)

@@ -1,17 +1,21 @@
 """Sharded checkpoints in JAX with Orbax: save a training state sharded over one mesh,
 restore it onto a mesh of another number of devices.
 
-``orbax.checkpoint.StandardCheckpointer`` saves a pytree of ``jax.Array`` s: every array
-writes the shards it has (one copy of each; a replicated array is written once) into one
-TensorStore per checkpoint, with the global shape and dtype. Restoring needs a *target*:
-a pytree of ``jax.ShapeDtypeStruct`` with the shapes, dtypes and shardings wanted now
-(:func:`abstract_state`); each device then reads only the slices its new sharding asks
-for. Without a target Orbax returns nested dicts (no ``TrainState``), placed with the
+``orbax.checkpoint.StandardCheckpointer`` saves a pytree of ``jax.Array`` s: each process
+writes the shards its devices hold, one copy of each (a replicated array once: Orbax
+picks one replica of every shard), into one TensorStore per checkpoint, with the global
+shape and dtype. Restoring needs a *target*: a pytree of ``jax.ShapeDtypeStruct`` with
+the shapes, dtypes and shardings wanted now (:func:`abstract_state`, with the shapes
+from ``jax.eval_shape``, which computes nothing); each device then reads only the slices
+its new sharding asks for. Without a target Orbax returns nested dicts (no ``TrainState``), placed with the
 shardings saved in the checkpoint, that is, on the old mesh's devices.
 
 The state is that of :mod:`dpbook.jax.fsdp`: LeNet with Adam, each array split along its
 largest dimension that the number of devices divides (``fsdp_spec``), replicated when
-none does. Works with the book's oldest jax (0.8.2) and orbax-checkpoint 0.12.8.
+none does. :func:`new_state` makes it born sharded: ``jax.jit(init,
+out_shardings=...)`` returns every array already in its sharding, JAX's counterpart of
+PyTorch's ``meta`` device. Works with the book's oldest jax (0.8.2) and
+orbax-checkpoint 0.12.8.
 """
 from __future__ import annotations
 
@@ -26,8 +30,8 @@ import orbax.checkpoint as ocp
 from . import fsdp
 from .data import random_batch
 
-__all__ = ["abstract_state", "save", "restore", "initial_state", "new_state", "place", "train",
-           "shardings_equal", "max_abs_difference"]
+__all__ = ["abstract_state", "save", "restore", "init", "initial_state", "new_state", "place",
+           "train", "shardings_equal", "max_abs_difference"]
 
 
 def abstract_state(state: Any, shardings: Any) -> Any:
@@ -58,19 +62,24 @@ def initial_state(seed: int = 0):
     ``seed``, on the default device; made by one jitted function (optax initializes the
     moments array by array, which takes seconds run eagerly on a CPU), once per seed,
     immutable, so shared."""
-    return _create(jax.random.key(seed))
+    return jax.jit(init)(jax.random.key(seed))
 
 
-@jax.jit
-def _create(key: jax.Array):
+def init(key: jax.Array):
+    """A fresh LeNet + Adam ``TrainState`` (:func:`dpbook.jax.fsdp.create_adam_state`)
+    from ``key``; to be traced (``jax.jit``, ``jax.eval_shape``), not run eagerly."""
     from .models import LeNet
     return fsdp.create_adam_state(LeNet(), key)
 
 
 def new_state(mesh: jax.sharding.Mesh, seed: int = 0):
-    """:func:`initial_state` placed with FSDP shardings on ``mesh`` (:func:`place`): the
-    state and its shardings."""
-    return place(initial_state(seed), mesh)
+    """A fresh state born sharded on ``mesh``, and its shardings: ``jax.eval_shape``
+    gives the state's shapes without computing it, :func:`dpbook.jax.fsdp.state_shardings`
+    a sharding for each, and ``jax.jit(init, out_shardings=...)`` returns each array
+    already split that way (no whole state is placed from one device)."""
+    key = jax.random.key(seed)
+    shardings = fsdp.state_shardings(jax.eval_shape(init, key), mesh)
+    return jax.jit(init, out_shardings=shardings)(key), shardings
 
 
 def place(state: Any, mesh: jax.sharding.Mesh):

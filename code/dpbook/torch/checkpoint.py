@@ -16,6 +16,13 @@ false: "we only support correct RNG on cuda/cuda-like devices"): every rank draw
 shard from its own generator, so equal seeds give equal shards on every rank.
 :func:`materialize` seeds each rank differently; the bounds of ``reset_parameters`` come
 from the global shape, so each value still has the distribution of the one-process init.
+On CUDA the advice is the opposite: DTensor's ``OffsetBasedRNGTracker`` broadcasts rank
+0's generator state (and warns unless every rank called ``torch.manual_seed`` with the
+same seed) and starts each shard at its own offset of that one stream.
+
+While it trains, a rank holds its shards of the parameters, two Adam moments of the same
+shape, and, during the forward and backward passes, one layer gathered whole at a time
+(:func:`gathered_layers` watches it): :func:`mlp` is deep enough that no layer dominates.
 
 A checkpoint is a folder that DCP writes from every rank at once (:func:`save`): each rank
 writes its shards, rank 0 the metadata that says which slice of which tensor is where.
@@ -25,8 +32,9 @@ one) say which. The optimizer's state is keyed by parameter name (FQN), not by p
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,17 +47,22 @@ from .data import random_batch
 require_for(__name__)   # FSDP2 on CPU processes needs a newer torch than the book (versions.yml)
 
 __all__ = ["mlp", "whole_bytes", "local_bytes", "shard_model", "materialize", "adam",
+           "gathered_layers",
            "train", "save", "load", "export", "flat_state", "birth", "save_worker",
            "resume_worker", "resume_one_process", "save_and_resume"]
 
 LR = 1e-3          # Adam's learning rate, everywhere on this page
 
 
-def mlp(width: int) -> nn.Sequential:
-    """A classifier for 28 × 28 images with two hidden layers of ``width`` units:
-    ``784·w + w² + 10·w`` weights and ``2w + 10`` biases."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, width), nn.ReLU(),
-                         nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+def mlp(width: int, depth: int = 8) -> nn.Sequential:
+    """A classifier for 28 × 28 images with ``depth`` hidden layers of ``width`` units:
+    ``784·w + (depth - 1)·w² + 10·w`` weights and ``depth·w + 10`` biases. Deep rather
+    than wide, so that no one layer holds most of the parameters (FSDP2 gathers one
+    layer whole at a time)."""
+    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(784, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def whole_bytes(model: nn.Module) -> int:
@@ -98,6 +111,28 @@ def materialize(model: nn.Module, seed: int, device: str = "cpu") -> nn.Module:
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
     return model
+
+
+@contextlib.contextmanager
+def gathered_layers(model: nn.Module) -> Iterator[dict]:
+    """Watch the forward passes of a sharded :func:`mlp`: a hook that runs after FSDP2's
+    all-gather, before each ``Linear``, records the largest layer gathered whole
+    (``layer_bytes``) and the most layers whole at once (``at_once``)."""
+    from torch.distributed.tensor import DTensor
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    seen = {"layer_bytes": 0, "at_once": 0}
+
+    def hook(module, args):
+        whole = [m for m in linears if not isinstance(m.weight, DTensor)]
+        seen["at_once"] = max(seen["at_once"], len(whole))
+        seen["layer_bytes"] = max(seen["layer_bytes"], local_bytes(module))
+
+    handles = [m.register_forward_pre_hook(hook) for m in linears]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def adam(model: nn.Module) -> torch.optim.Adam:
@@ -219,16 +254,19 @@ def save_worker(rank: int, world_size: int, width: int, path: str, steps: int,
     """:func:`birth`, ``steps`` steps of Adam, a DCP checkpoint in ``path``, then the
     export. Rank 0 returns the full state (``state``, :func:`flat_state`); every rank
     the bytes of its exported dicts (``exported``) and of the model and optimizer state
-    it holds (``held``), and what :func:`birth` saw (``birth``)."""
+    it holds (``held``), what :func:`birth` saw (``birth``) and what
+    :func:`gathered_layers` saw in training (``gathered``)."""
     from .dist import process_group
     with process_group(rank, world_size):
         model, born = birth(width, seed)
         opt = adam(model)
-        losses = train(model, opt, range(steps), batch_size, rank, world_size)
+        with gathered_layers(model) as gathered:
+            losses = train(model, opt, range(steps), batch_size, rank, world_size)
         save(model, opt, path)
         model_sd, optim_sd = export(model, opt)
         return {"state": flat_state(model_sd, optim_sd) if rank == 0 else None,
                 "exported": local_bytes([model_sd, optim_sd]), "birth": born,
+                "gathered": gathered,
                 "held": local_bytes([model, opt.state_dict()["state"]]),
                 "losses": losses, "files": sorted(os.listdir(path))}
 
