@@ -40,7 +40,9 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> 
         return torch.cuda.max_memory_allocated(device) - start
     if device.type != "cpu":
         raise ValueError(f"peak_bytes measures 'cpu' or 'cuda' devices, got {device}")
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from .profiling import _quiet_stderr        # no profiler_start/stop lines
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU],
+                                  profile_memory=True) as prof:
         fn()
     events = [e for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
