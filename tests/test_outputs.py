@@ -52,6 +52,12 @@ def test_stored_run_is_a_cpu_run_with_its_hardware_line(entry):
     png = [c.source.splitlines()[0] for c in nb.cells if c.cell_type == "code"
            for o in c.outputs if "image/png" in o.get("data", {})]
     assert not png, f"figures stored as PNG, in cells starting: {png}"
+    # a visible cell writes nothing to stderr: no library chatter on the page (the
+    # profiler's profiler_start lines once were); what a page shows of a log, it prints
+    noise = [o["text"][:120] for c in nb.cells if c.cell_type == "code"
+             and "remove-cell" not in c.metadata.get("tags", [])
+             for o in c.outputs if o.get("name") == "stderr"]
+    assert not noise, f"visible stderr output: {noise}"
 
 
 # The key: what must make a run stale, and what must not.

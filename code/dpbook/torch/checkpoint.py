@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any, Iterator
 
 import torch
@@ -87,6 +88,21 @@ def local_bytes(tensors: Any) -> int:
     return 0
 
 
+#: warnings these functions expect and explain, kept off the page: DTensor's random
+#: numbers on a CPU mesh (we seed each rank ourselves, see above), and DCP used in one
+#: process without a process group (the unsharded reference run, on purpose)
+EXPECTED_WARNINGS = ("DTensor random operators may not have complete support on cpu",
+                     "torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextlib.contextmanager
+def _expected_warnings() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for message in EXPECTED_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
 def shard_model(model: nn.Module) -> nn.Module:
     """``fully_shard`` on each ``Linear`` of ``model``, then on the whole, over a 1-D CPU
     mesh of all the processes of the group (as :func:`dpbook.torch.fsdp.shard_lenet`)."""
@@ -105,7 +121,7 @@ def materialize(model: nn.Module, seed: int, device: str = "cpu") -> nn.Module:
     them with each layer's ``reset_parameters``, from the seed ``seed + rank`` (on a CPU
     mesh each rank draws its shard from its own generator: see the module's docstring)."""
     model.to_empty(device=device)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _expected_warnings():
         torch.manual_seed(seed + dist.get_rank())
         for module in model.modules():
             if hasattr(module, "reset_parameters"):
@@ -163,7 +179,8 @@ def save(model: nn.Module, opt: torch.optim.Optimizer, path: str | os.PathLike) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    with _expected_warnings():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
 
 def load(model: nn.Module, opt: torch.optim.Optimizer, path: str | os.PathLike) -> None:
@@ -176,7 +193,8 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, path: str | os.PathLike) 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
+    with _expected_warnings():
+        dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
 
@@ -243,7 +261,7 @@ def _same_seed_shards_equal(width: int) -> bool:
     with torch.device("meta"):
         model = shard_model(mlp(width))
     model.to_empty(device="cpu")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), _expected_warnings():
         torch.manual_seed(0)
         model[1].reset_parameters()
     return all(_first_rows_equal(model[1].weight))
