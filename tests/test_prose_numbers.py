@@ -24,6 +24,7 @@ ALLOWED = {
     ("communication/allreduce", "2.4"): "NCCL release 2.4 introduced its double binary trees",
     ("communication/allreduce", "25.6"): "ResNet-50's parameters (millions), torchvision",
     ("communication/allreduce", "44.5"): "ResNet-101's parameters (millions), torchvision",
+    ("communication/allreduce", "3.35"): "NVIDIA's H100 SXM data sheet: HBM3 bandwidth (TB/s)",
     ("communication/compression", "3.5"): "(0.1 - 0.03) / 0.02 standard deviations, from "
                                           "the numbers the sentence gives",
     ("communication/parameter-server", "0.1"): "chance on 10 classes",
