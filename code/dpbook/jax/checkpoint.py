@@ -7,8 +7,9 @@ picks one replica of every shard), into one TensorStore per checkpoint, with the
 shape and dtype. Restoring needs a *target*: a pytree of ``jax.ShapeDtypeStruct`` with
 the shapes, dtypes and shardings wanted now (:func:`abstract_state`, with the shapes
 from ``jax.eval_shape``, which computes nothing); each device then reads only the slices
-its new sharding asks for. Without a target Orbax returns nested dicts (no ``TrainState``), placed with the
-shardings saved in the checkpoint, that is, on the old mesh's devices.
+its new sharding asks for. Without a target Orbax returns nested dicts (no
+``TrainState``), placed with the shardings saved in the checkpoint, that is, on the old
+mesh's devices.
 
 The state is that of :mod:`dpbook.jax.fsdp`: LeNet with Adam, each array split along its
 largest dimension that the number of devices divides (``fsdp_spec``), replicated when
