@@ -453,7 +453,7 @@ def events_worker(rank: int, world_size: int, name: str, bucket_cap_mb: float) -
 
 def backward_events(nprocs: int, name: str = "bucketed", bucket_cap_mb: float = 0.01,
                     timeout: float = 120) -> list:
-    """:func:`events_worker` on ``nprocs`` gloo processes: in which order autograd
+    """``events_worker`` on ``nprocs`` gloo processes: in which order autograd
     calls the wrapper's gradient hooks and its end-of-backward callback."""
     if name not in WRAPPERS or name == "ddp":
         raise ValueError(f"unknown wrapper {name!r}; choose from {list(WRAPPERS)[:-1]}")

@@ -857,7 +857,7 @@ def check_break_even(fn: Callable[[float, int, float, float, float], float],
 def check_prefetch_schedule(fn: Callable[[int], Sequence[tuple[str, int]]],
                             quiet: bool = False) -> Failure | None:
     """Check ``fn(num_units)``: the order of one ZeRO-3 step with a one-unit prefetch,
-    as :attr:`dpbook.torch.zero.ZeroModel.events` records it — ``("gather", i)`` when
+    as ``ZeroModel.events`` records it — ``("gather", i)`` when
     unit i's all-gather is issued, ``("forward", i)`` / ``("backward", i)`` when it
     starts to compute (:func:`dpbook.torch.zero.prefetch_schedule`)."""
     from .profiling import gathers_ahead

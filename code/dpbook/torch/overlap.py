@@ -160,7 +160,7 @@ def prefetch_worker(rank: int, world_size: int, names: Sequence[str], batch_size
                     repeats: int) -> dict:
     """Per setting of :data:`PREFETCH_CONFIGS`: LeNet trained on the same batches (two
     warm-up steps, one profiled step, ``repeats`` timed steps); rank 0's Chrome trace of
-    the profiled step, ZeroModel's :attr:`events` of it, the median step time (slowest
+    the profiled step, ZeroModel's ``events`` of it, the median step time (slowest
     rank) and the final parameters."""
     import json
     import os

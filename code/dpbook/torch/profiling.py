@@ -244,7 +244,7 @@ def gather_order(trace: dict) -> list[tuple[str, str]]:
     """What happened, in order: ``("gather", unit)`` when the unit's all-gather was
     issued, ``("forward", unit)`` / ``("backward", unit)`` when its computation began
     (the end of its pre-forward / pre-backward mark). The form of
-    :attr:`dpbook.torch.zero.ZeroModel.events`, with unit names."""
+    ``ZeroModel.events``, with unit names."""
     points = []
     for step, name, a, b in _marks(trace):
         if step == "all_gather":

@@ -71,7 +71,7 @@ def drift_worker(rank: int, world_size: int, sizes: Sequence[int], n: int, seed:
 
 def reduce_drift(sizes: Sequence[int] = (2, 4, 8), n: int = 100_000, seed: int = 0,
                  timeout: float = 300) -> dict:
-    """:func:`drift_worker` on ``max(sizes)`` gloo processes: ``{r: {"bf16", "fp32"}}``,
+    """``drift_worker`` on ``max(sizes)`` gloo processes: ``{r: {"bf16", "fp32"}}``,
     the relative error of each all-reduce of r ranks against the float64 sum."""
     results = run(drift_worker, max(sizes), list(sizes), n, seed, timeout=timeout)
     return {r: v for r, v in results.items()}
@@ -81,8 +81,8 @@ class MainGrad:
     """A float32 ``main_grad`` buffer beside every parameter of ``model`` (bfloat16
     parameters): a post-accumulate-grad hook adds each backward's ``p.grad`` to it, in
     float32, and frees ``p.grad``, so the micro-batches add up in float32 although
-    autograd computes in bfloat16. :meth:`to_grad` writes the sum into ``.grad`` (cast to
-    the parameter's dtype, for the optimizer), :meth:`zero` starts the next step.
+    autograd computes in bfloat16. ``to_grad`` writes the sum into ``.grad`` (cast to
+    the parameter's dtype, for the optimizer), ``zero`` starts the next step.
 
     A model takes one ``MainGrad`` for its lifetime: the hooks stay on its parameters
     (nothing removes them), so a second ``MainGrad``'s hooks would run after the

@@ -365,12 +365,12 @@ class ZeroModel(nn.Module):
     checkpoint.
 
     With ``prefetch=True`` a unit's all-gather is started (``async_op=True``) one unit
-    early: in the forward pass when the unit before it (in the order of :attr:`units`)
+    early: in the forward pass when the unit before it (in the order of ``units``)
     starts, in the backward pass when the unit after it (in the order the forward pass
     ran them) starts its backward. It then travels while that unit computes, and two
     units are gathered at a time (FSDP2's implicit backward prefetch and its
     ``set_modules_to_forward_prefetch``). Every rank issues the same all-gathers in the
-    same order, since every rank runs the same units. :attr:`events` records the last
+    same order, since every rank runs the same units. ``events`` records the last
     step: ``("gather", i)`` when unit i's all-gather is issued, ``("forward", i)`` /
     ``("backward", i)`` when its compute starts.
 
@@ -575,7 +575,7 @@ class ZeroModel(nn.Module):
 
 def prefetch_schedule(num_units: int, prefetch: bool = True) -> list[tuple[str, int]]:
     """The order of one training step of :class:`ZeroModel` over ``num_units`` units
-    that run one after the other, as its :attr:`ZeroModel.events` records it: all-gathers
+    that run one after the other, as its ``ZeroModel.events`` records it: all-gathers
     issued (``("gather", i)``) and units starting to compute (``("forward", i)``,
     ``("backward", i)``).
 
@@ -763,7 +763,7 @@ def compare(nprocs: int, stages: Iterable[int] = (0, 1, 2, 3), optimizer: str = 
     from the one-process run), ``sent`` (bytes one rank sent in the last step, ring
     collectives), ``calls`` (collectives of that step), ``held`` (bytes rank 0 held per
     category: full ``params``, its float32 ``slices``, ``grads``, ``optimizer`` state),
-    and for stage 3 the ``events`` of its last step (:attr:`ZeroModel.events`).
+    and for stage 3 the ``events`` of its last step (``ZeroModel.events``).
     ``compute_dtype`` and ``prefetch`` apply to stage 3, ``reduce_dtype`` to stages 1-3."""
     from .dist import per_process, run
     if optimizer not in OPTIMIZERS:
@@ -841,7 +841,7 @@ def accumulation(nprocs: int, k: int, cases: Iterable[tuple[int, bool]] = (
     step), ``keep=True`` keeps whole gradients (``no_sync``) and sends once. Each result:
     ``difference`` from one process on the whole batches (:func:`reference`, SGD with
     momentum), ``sent``/``calls``/``full_bytes`` (per kind) of the last step, ``held``
-    bytes (see :func:`_accumulate`)."""
+    bytes (see ``_accumulate``)."""
     from .dist import per_process, run
     per_process(batch_size, nprocs * k)          # refuses what does not divide
     results = run(accumulation_worker, nprocs, list(cases), k, steps, batch_size, on="cpu",
