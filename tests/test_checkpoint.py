@@ -64,6 +64,8 @@ def test_saved_on_2_resumes_on_3_like_one_process(tmp_path):
     diff = max((runs[3]["after"][k] - runs[1]["after"][k]).abs().max().item()
                for k in saved)
     moved = max((runs[1]["after"][k] - saved[k]).abs().max().item() for k in params)
+    # tighter than the page's lr/100 per step: this model is tiny and 2 steps short, so
+    # Adam has had little room to amplify last-bit differences (seen here: ~1e-8)
     assert diff < more * ckpt.LR / 1000 < moved
     # export: the whole state on rank 0 only; 3 ranks hold about a third each
     exported = [r["exported"] for r in runs["save"]]

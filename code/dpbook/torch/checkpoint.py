@@ -21,8 +21,9 @@ On CUDA the advice is the opposite: DTensor's ``OffsetBasedRNGTracker`` broadcas
 same seed) and starts each shard at its own offset of that one stream.
 
 While it trains, a rank holds its shards of the parameters, two Adam moments of the same
-shape, and, during the forward and backward passes, one layer gathered whole at a time
-(:func:`gathered_layers` watches it): :func:`mlp` is deep enough that no layer dominates.
+shape, and gathered layers: one at a time in the forward pass (:func:`gathered_layers`
+watches it), up to two in the backward pass, where FSDP2 prefetches the next layer's
+all-gather by default: :func:`mlp` is deep enough that no layer dominates.
 
 A checkpoint is a folder that DCP writes from every rank at once (:func:`save`): each rank
 writes its shards, rank 0 the metadata that says which slice of which tensor is where.
@@ -58,8 +59,8 @@ LR = 1e-3          # Adam's learning rate, everywhere on this page
 def mlp(width: int, depth: int = 8) -> nn.Sequential:
     """A classifier for 28 × 28 images with ``depth`` hidden layers of ``width`` units:
     ``784·w + (depth - 1)·w² + 10·w`` weights and ``depth·w + 10`` biases. Deep rather
-    than wide, so that no one layer holds most of the parameters (FSDP2 gathers one
-    layer whole at a time)."""
+    than wide, so that no one layer holds most of the parameters (FSDP2 gathers one or
+    two layers whole at a time)."""
     layers: list[nn.Module] = [nn.Flatten(), nn.Linear(784, width), nn.ReLU()]
     for _ in range(depth - 1):
         layers += [nn.Linear(width, width), nn.ReLU()]

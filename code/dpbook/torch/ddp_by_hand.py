@@ -10,7 +10,10 @@ makes the last bucket ready), which runs at the end of that backward and calls
 :meth:`~DataParallel.finish_gradient_synchronization`, so the training loop looks like
 DDP's. A backward that raises midway never reaches its callback: the next ``forward``
 drops what it left half done (waiting for the allreduces it launched), so the next step
-synchronizes as usual. With ``finish_in_backward=False`` the loop calls that
+synchronizes as usual. That recovery needs the callback (with ``finish_in_backward=False``
+the next backward is refused as a second one) and a backward that raised at the same point
+on every rank (a rank that fails alone waits for allreduces no other rank joins, until the
+group's timeout, as DDP would). With ``finish_in_backward=False`` the loop calls that
 method itself after ``backward()`` (the teaching step before the callback); called after
 the callback has run, it does nothing. To accumulate gradients over micro-batches, run
 all but the last backward inside :meth:`~DataParallel.no_sync`, as with DDP::
@@ -143,7 +146,8 @@ class DataParallel(nn.Module):
 
     def _clear(self) -> None:
         """Forget the gradients that arrived; (c) and (d) wait for what they launched
-        (every process launched the same allreduces, so the waits return)."""
+        (the waits return when every process launched the same allreduces, that is, when
+        every rank's backward raised at the same point)."""
         self._arrived.clear()
 
     def _ready(self, p: nn.Parameter) -> None:

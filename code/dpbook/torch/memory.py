@@ -40,10 +40,15 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> 
         return torch.cuda.max_memory_allocated(device) - start
     if device.type != "cpu":
         raise ValueError(f"peak_bytes measures 'cpu' or 'cuda' devices, got {device}")
-    from .profiling import _quiet_stderr        # no profiler_start/stop lines
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU],
-                                  profile_memory=True) as prof:
+    from .profiling import _quiet_stderr
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():               # only the profiler's profiler_start/stop lines:
+        prof.start()                    # what fn writes to stderr still shows
+    try:
         fn()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     events = [e for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
     events.sort(key=lambda e: e.start_ns())
