@@ -58,8 +58,9 @@ def test_evaluate_accuracy_gpus_equals_one_device(k):
 
 
 def test_train_smoke_same_init_same_losses_on_cpu(fashion_mnist_dir):
-    """A smoke test of ``concise.train``: on a CPU ``nn.DataParallel`` is a no-op, so runs
-    with 1 and 2 "devices" are the same computation from the same initial state."""
+    """A smoke test of ``concise.train``: without CUDA it trains the plain module (what
+    ``nn.DataParallel`` would run), so runs asked for 1 and 2 devices are the same
+    computation from the same initial state, and each says so."""
     scale = dp.get_scale("quick")
     init = concise.init_resnet18(scale.resnet_width, seed=0)
     runs = [concise.train(k, 64, 0.1, init_state=init, scale=scale, root=fashion_mnist_dir,
@@ -70,6 +71,8 @@ def test_train_smoke_same_init_same_losses_on_cpu(fashion_mnist_dir):
         assert "devices (" in r.hardware
     if not torch.cuda.is_available():   # on a CPU both runs are the same computation
         assert runs[0].train_loss == pytest.approx(runs[1].train_loss, rel=1e-6)
+        assert all(r.extra["replicas"] == 1 and not isinstance(r.model, nn.DataParallel)
+                   and "no GPU" in r.extra["data_parallel"] for r in runs)
 
 
 # --- DistributedDataParallel: real processes, gloo on loopback -------------------------

@@ -59,11 +59,14 @@ def train(num_devices: int, batch_size: int, lr: float,
     """Train the ResNet-18 variant on Fashion-MNIST with ``nn.DataParallel``.
 
     The network has ``scale.resnet_width`` channels in its first stage and starts from
-    ``init_state`` (default: :func:`init_resnet18` with ``seed``). It is wrapped in
-    ``nn.DataParallel`` over ``num_devices`` devices; :func:`data_parallel_info` of the
-    wrapper is returned in ``extra["data_parallel"]`` and the wrapper as ``model``. The minibatch is the *global* one:
-    DataParallel splits it across the devices. Each epoch's time covers training only
-    (synchronized); the test accuracy is computed with :func:`~dpbook.torch.evaluate.evaluate_accuracy_gpus`.
+    ``init_state`` (default: :func:`init_resnet18` with ``seed``). With CUDA it is wrapped
+    in ``nn.DataParallel`` over the GPUs of ``num_devices`` devices; without CUDA the
+    wrapper would only call the module (see :func:`data_parallel_info`), so the plain
+    module is trained on the CPU. ``extra["data_parallel"]`` says which happened,
+    ``extra["replicas"]`` counts the replicas that ran, and ``model`` is what was trained.
+    The minibatch is the *global* one: DataParallel splits it across the GPUs. Each
+    epoch's time covers training only (synchronized); the test accuracy is computed with
+    :func:`~dpbook.torch.evaluate.evaluate_accuracy_gpus`.
     """
     scale = scale or get_scale()
     num_epochs = num_epochs or scale.resnet_epochs
@@ -72,12 +75,19 @@ def train(num_devices: int, batch_size: int, lr: float,
         batch_size, scale.resnet_num_train, scale.resnet_num_test, root=root, seed=seed)
     net = resnet18(width=scale.resnet_width)
     net.load_state_dict(init_resnet18(scale.resnet_width, seed) if init_state is None else init_state)
-    # nn.DataParallel takes each GPU once: k replicas on one GPU are one replica here
-    net = nn.DataParallel(net.to(devices[0]), device_ids=list(dict.fromkeys(devices)))
+    net = net.to(devices[0])
+    if devices[0].type == "cuda":
+        # nn.DataParallel takes each GPU once: k replicas on one GPU are one replica here
+        net = nn.DataParallel(net, device_ids=list(dict.fromkeys(devices)))
+        ran_on, replicas = data_parallel_info(net), len(net.device_ids)
+    else:   # the wrapper would call the module unchanged: train the module itself
+        ran_on = ("no GPU: the plain module on the CPU, the step nn.DataParallel "
+                  "would run here")
+        replicas = 1
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     if animator is None:
         animator = training_animator(
-            num_epochs, f"{num_devices} device(s), batch {batch_size}, lr {lr}")
+            num_epochs, f"batch {batch_size}, lr {lr}, {replicas} replica(s)")
     timer = Timer(devices, start=False)
     for epoch in range(num_epochs):
         net.train()
@@ -95,4 +105,6 @@ def train(num_devices: int, batch_size: int, lr: float,
         animator.add(epoch + 1, (metric[0] / metric[1], test_acc))
     return TrainResult(num_devices, batch_size, lr, test_acc, metric[0] / metric[1],
                        list(timer.times), hardware_line(devices), model=net,
-                       animator=animator, extra={"data_parallel": data_parallel_info(net)})
+                       animator=animator,
+                       extra={"data_parallel": ran_on,
+                              "replicas": replicas})
