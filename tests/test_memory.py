@@ -1,13 +1,16 @@
 """Activation memory (dpbook.sharding's activation formulas, dpbook.torch.memory): the
-formulas (attention scores stored or fused) and their errors, the measured peak against
-the model within the page's factor, checkpointing equal to no checkpointing (parameters,
-BatchNorm buffers, eval outputs), and the checked exercise on an MLP's activations."""
+formulas (attention scores stored or fused) and their errors, the memory timeline of a
+step (its phases, its maximum the peak), the measured peak against the model within the
+page's factor, checkpointing equal to no checkpointing (parameters, BatchNorm buffers,
+eval outputs), and the checked exercise on an MLP's activations."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from torch.nn import functional as F
+from torch.profiler import record_function
 
 from dpbook import sharding
 from dpbook.torch import exercises, memory, models
@@ -112,6 +115,36 @@ def test_checkpointing_equals_no_checkpointing_and_saves_memory():
     plain.eval(), ckpt.eval()
     with torch.no_grad():
         assert torch.equal(plain(X), ckpt(X))
+
+
+def test_memory_timeline_marks_the_phases_and_its_maximum_is_the_peak():
+    torch.manual_seed(0)
+    net = models.lenet()
+    X, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+
+    def step():
+        with record_function("forward"):
+            loss = F.cross_entropy(net(X), y)
+        with record_function("backward"):
+            loss.backward()
+
+    t = memory.memory_timeline(step, ("forward", "backward"))
+    (f0, f1), (b0, b1) = t.phases["forward"], t.phases["backward"]
+    assert 0 == f0 < f1 <= b0 < b1 <= len(t.allocated) == len(t.seconds)
+    assert t.seconds == sorted(t.seconds)
+    # LeNet keeps its activations through the forward pass; the peak comes after it,
+    # and once backward has freed them only the gradients (4 bytes a parameter) remain
+    peak = max(t.allocated)
+    assert b0 <= t.allocated.index(peak) < b1
+    assert t.allocated[-1] == 4 * models.num_params(net)
+    net.zero_grad(set_to_none=True)
+    assert memory.peak_bytes(step) == peak
+    # leaving out the small events keeps the values of the others
+    net.zero_grad(set_to_none=True)
+    big = memory.memory_timeline(step, ("backward",), min_bytes=1000)
+    assert len(big.allocated) < len(t.allocated) and set(big.allocated) <= set(t.allocated)
+    with pytest.raises(ValueError, match="step"):
+        memory.memory_timeline(lambda: None, ("step",))
 
 
 def test_peak_bytes_rejects_other_devices():

@@ -1,14 +1,17 @@
 """Activation memory in PyTorch, measured: the peak of a training step (the profiler's
-memory events on the CPU, the allocator's statistics on CUDA), the bytes autograd saves
-for the backward pass (``saved_tensors_hooks``), the values a model's layers produce per
+memory events on the CPU, the allocator's statistics on CUDA), the memory in use
+through a step, event by event (the same profiler events), the bytes autograd saves for
+the backward pass (``saved_tensors_hooks``), the values a model's layers produce per
 example (the input of :func:`dpbook.sharding.activation_bytes`), and activation
 checkpointing per block (``torch.utils.checkpoint``, non-reentrant; the recomputation
 leaves BatchNorm's running statistics as the forward pass left them)."""
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
-from typing import Callable, Iterator
+import dataclasses
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -18,8 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .models import Residual
 
-__all__ = ["peak_bytes", "saved_bytes", "layer_output_values", "step_peak",
-           "Checkpointed", "checkpoint_blocks", "train_sgd"]
+__all__ = ["peak_bytes", "MemoryTimeline", "memory_timeline", "saved_bytes",
+           "layer_output_values", "step_peak", "Checkpointed", "checkpoint_blocks",
+           "train_sgd"]
 
 
 def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> int:
@@ -28,8 +32,9 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> 
 
     On CUDA the caching allocator counts: ``torch.cuda.max_memory_allocated`` after
     ``reset_peak_memory_stats``. On the CPU no allocator keeps statistics, so the
-    profiler records every allocation and free (``profile_memory=True``) and we add them
-    up in time order."""
+    profiler records every allocation and free (``profile_memory=True``),
+    :func:`memory_timeline` adds them up in time order, and the peak is the curve's
+    maximum."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -40,6 +45,37 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> 
         return torch.cuda.max_memory_allocated(device) - start
     if device.type != "cpu":
         raise ValueError(f"peak_bytes measures 'cpu' or 'cuda' devices, got {device}")
+    return max([0, *memory_timeline(fn).allocated])
+
+
+@dataclasses.dataclass
+class MemoryTimeline:
+    """The memory in use while a function ran, one entry per allocation or free on the
+    CPU, in time order (what :func:`memory_timeline` returns)."""
+
+    #: bytes allocated after each event, above what was allocated when the run started
+    allocated: list[int]
+    #: time of each event, in seconds after the first event the profiler recorded
+    seconds: list[float]
+    #: for each phase asked for, the events ``[start, stop)`` that fall inside it
+    phases: dict[str, tuple[int, int]]
+
+
+def memory_timeline(fn: Callable[[], object], phases: Sequence[str] = (),
+                    min_bytes: int = 0) -> MemoryTimeline:
+    """Run ``fn()`` once under the profiler with ``profile_memory=True`` and return the
+    bytes allocated on the CPU after every allocation (+) and free (-), added up in time
+    order: the curve whose maximum is :func:`peak_bytes`.
+
+    ``phases`` names ranges that ``fn`` marks with ``torch.profiler.record_function``
+    (``"forward"``, ``"backward"``, ``"step"``, say); the first range of each name gives
+    the events it holds. ``min_bytes`` leaves out the events that allocate or free fewer
+    bytes (an optimizer's step makes hundreds of 4- and 8-byte scalars); their bytes
+    still count, in the next event kept. Plotted against the event's index, the curve
+    looks the same on every run; against its time, it moves with whatever else the
+    machine runs."""
+    if min_bytes < 0:
+        raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
     from .profiling import _quiet_stderr
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
     with _quiet_stderr():               # only the profiler's profiler_start/stop lines:
@@ -49,14 +85,26 @@ def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu") -> 
     finally:
         with _quiet_stderr():
             prof.stop()
-    events = [e for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    events.sort(key=lambda e: e.start_ns())
-    now = peak = 0
-    for e in events:                      # + allocation, - free
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e for e in events if e.name() == "[memory]"
+                     and e.device_type() == torch.autograd.DeviceType.CPU),
+                    key=lambda e: e.start_ns())
+    t0 = min((e.start_ns() for e in events), default=0)
+    times, allocated, now = [], [], 0
+    for e in memory:                      # + allocation, - free
         now += e.nbytes()
-        peak = max(peak, now)
-    return peak
+        if abs(e.nbytes()) >= min_bytes:
+            times.append(e.start_ns())
+            allocated.append(now)
+    ranges = {}
+    for name in phases:
+        marks = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == name)
+        if not marks:
+            raise ValueError(f"fn marked no record_function range {name!r}")
+        start, end = marks[0]
+        ranges[name] = (bisect.bisect_left(times, start),
+                        bisect.bisect_left(times, end))
+    return MemoryTimeline(allocated, [(t - t0) / 1e9 for t in times], ranges)
 
 
 def saved_bytes(net: nn.Module, X: torch.Tensor, y: torch.Tensor | None = None) -> int:
