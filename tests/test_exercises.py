@@ -4,6 +4,7 @@ and in Chinese; the multi-process check leaves no process behind."""
 from __future__ import annotations
 
 import io
+import math
 import os
 
 import jax
@@ -17,7 +18,7 @@ from torch.nn import functional as F
 
 from helpers import no_children_left
 
-from dpbook import exercises
+from dpbook import costmodel, exercises
 from dpbook.devices import split_sizes
 from dpbook.jax import allreduce as jax_allreduce
 from dpbook.jax import exercises as jax_exercises
@@ -425,6 +426,70 @@ def python_loop(params, apply_fn, X, y, k):        # right numbers, k copies whe
     return sum(losses) / k, jax.tree.map(lambda g: g / k, total)
 
 
+def inverted_break_even(nbytes, world_size, alpha, beta, seconds_per_example):
+    comm = costmodel.predict("ring", nbytes, world_size, alpha, beta)
+    return seconds_per_example / comm
+
+
+def twice_break_even(nbytes, world_size, alpha, beta, seconds_per_example):
+    return (2 * (world_size - 1) * alpha + 2 * nbytes * beta) / seconds_per_example
+
+
+def no_latency_break_even(nbytes, world_size, alpha, beta, seconds_per_example):
+    return 2 * (world_size - 1) / world_size * nbytes * beta / seconds_per_example
+
+
+def no_prefetch(n):
+    return zero.prefetch_schedule(n, prefetch=False)
+
+
+def all_at_once(n):
+    """Every gather of a pass first, then the computations: no waiting, whole model held."""
+    return ([("gather", i) for i in range(n)] + [("forward", i) for i in range(n)]
+            + [("gather", i) for i in reversed(range(n))]
+            + [("backward", i) for i in reversed(range(n))])
+
+
+def forward_order_backward(n):
+    """Backward computes in the forward's order."""
+    s = zero.prefetch_schedule(n)
+    half = len(s) // 2
+    return s[:half] + [(k, n - 1 - i) for k, i in s[half:]]
+
+
+def forgetting_backward_gathers(n):
+    """Gathers only once per step, in forward (as if the parameters stayed whole)."""
+    return [e for e in zero.prefetch_schedule(n)[:2 * n]] + [
+        ("backward", i) for i in reversed(range(n))]
+
+
+def right_accumulation_cost(numel, world_size, k, keep):
+    padded = 4 * world_size * math.ceil(numel / world_size)
+    sent = (1 if keep else k) * (world_size - 1) / world_size * padded
+    return sent, (4 * numel if keep else padded / world_size)
+
+
+def allreduce_accumulation_cost(numel, world_size, k, keep):
+    sent, held = right_accumulation_cost(numel, world_size, k, keep)
+    return 2 * sent, held
+
+
+def k_times_accumulation_cost(numel, world_size, k, keep):
+    sent, held = right_accumulation_cost(numel, world_size, k, False)
+    return sent, right_accumulation_cost(numel, world_size, k, keep)[1]
+
+
+def sliced_accumulation_cost(numel, world_size, k, keep):
+    sent, _ = right_accumulation_cost(numel, world_size, k, keep)
+    return sent, right_accumulation_cost(numel, world_size, k, False)[1]
+
+
+def unpadded_accumulation_cost(numel, world_size, k, keep):
+    # 4 * numel bytes in place of ZeRO's padded 4 * N * ceil(numel / N)
+    sent = (1 if keep else k) * (world_size - 1) / world_size * 4 * numel
+    return sent, (4 * numel if keep else 4 * numel / world_size)
+
+
 # ---------------------------------------------------------------- the checks
 
 CHECKS = [
@@ -473,6 +538,18 @@ CHECKS = [
     (jax_exercises.check_scan_accumulation, jax_step.accumulated_grads,
      [(unscaled_scan, "scan-scale"), (replacing_scan, "scan-last"),
       (python_loop, "scan-unrolled"), (stacking_scan, "scan-stacked")]),
+    (torch_exercises.check_break_even, costmodel.break_even_batch,
+     [(inverted_break_even, "break-even-inverted"), (twice_break_even, "break-even-ring"),
+      (no_latency_break_even, "break-even-latency")]),
+    (torch_exercises.check_prefetch_schedule, zero.prefetch_schedule,
+     [(no_prefetch, "prefetch-late"), (all_at_once, "prefetch-memory"),
+      (forward_order_backward, "prefetch-compute-order"),
+      (forgetting_backward_gathers, "prefetch-missing")]),
+    (torch_exercises.check_accumulation_cost, right_accumulation_cost,
+     [(allreduce_accumulation_cost, "accum-cost-allreduce"),
+      (k_times_accumulation_cost, "accum-cost-sent"),
+      (sliced_accumulation_cost, "accum-cost-held"),
+      (unpadded_accumulation_cost, "accum-cost-padding")]),
 ]
 IDS = [check.__module__.split(".")[-2] + "." + check.__name__ for check, _, _ in CHECKS]
 

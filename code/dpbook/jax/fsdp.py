@@ -107,8 +107,14 @@ class RematLeNet(nn.Module):
     ReLU and pooling) under ``nn.remat``, Flax's ``jax.checkpoint``: JAX keeps only each
     layer's input for the backward pass, which computes the layer again (where XLA then
     schedules that work is its own choice). The parameters have LeNet's names and shapes,
-    so one state runs either model."""
+    so one state runs either model.
+
+    ``policy``, a ``jax.checkpoint_policies`` function, says which values inside a layer
+    the forward pass keeps as well: ``nothing_saveable`` none (the same as the default,
+    None), ``dots_saveable`` the outputs of its matrix products and convolutions,
+    ``everything_saveable`` all of them, as without ``remat``."""
     num_classes: int = 10
+    policy: Callable | None = None
 
     @nn.compact
     def __call__(self, x):                                   # (B, 28, 28, 1)
@@ -118,7 +124,8 @@ class RematLeNet(nn.Module):
         def dense(layer, x):
             return nn.relu(layer(x))
 
-        conv, dense = nn.remat(conv), nn.remat(dense)       # recomputed in backward
+        conv = nn.remat(conv, policy=self.policy)            # recomputed in backward,
+        dense = nn.remat(dense, policy=self.policy)          # except what policy saves
         x = conv(nn.Conv(20, (3, 3), padding="VALID"), x)    # (B, 13, 13, 20)
         x = conv(nn.Conv(50, (5, 5), padding="VALID"), x)    # (B, 4, 4, 50)
         x = dense(nn.Dense(128), x.reshape((x.shape[0], -1)))

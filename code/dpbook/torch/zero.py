@@ -243,7 +243,35 @@ class _InOrder:
             self.after()
 
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class _NoSync:
+    """``no_sync()`` and ``kept()``, gradient accumulation without a reduce-scatter per
+    micro-batch, for :class:`ZeroOptimizer` and :class:`ZeroModel`. The class sets
+    ``self._sync = True`` and an ``_InOrder`` as ``self._in_order``; its gradient hooks
+    call ``_in_order.keep`` instead of ``_in_order.ready`` while ``_sync`` is False."""
+
+    _sync: bool
+    _in_order: _InOrder
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep whole gradients (:meth:`kept`: their memory, in the
+        gradients' dtype, the compute dtype of a ``ZeroModel``) and send nothing; the
+        first backward pass after it adds them to its own and reduce-scatters the sum
+        (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``). For a stage 1
+        ``ZeroOptimizer`` it changes nothing: stage 1 sends only in ``step()``."""
+        self._sync, before = False, self._sync
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def kept(self) -> list[torch.Tensor]:
+        """The whole gradients kept by :meth:`no_sync`, not yet sent (none at stage 1,
+        whose gradients wait in the parameters' ``.grad`` until ``step()``)."""
+        return list(self._in_order.kept.values())
+
+
+class ZeroOptimizer(_NoSync, torch.optim.Optimizer):
     """ZeRO stage 1 or 2 around ``optimizer_class(**defaults)``: each rank keeps the
     optimizer state of its own slice of every parameter, 1/N of the whole.
 
@@ -297,22 +325,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             self._in_order.keep(p)
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside keep whole gradients (:func:`kept`) and send nothing; the
-        first backward pass after it adds them to its own and reduce-scatters the sum
-        (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``). For stage 1
-        it changes nothing: stage 1 sends only in ``step()``."""
-        self._sync, before = False, self._sync
-        try:
-            yield
-        finally:
-            self._sync = before
-
-    def kept(self) -> list[torch.Tensor]:
-        """The whole gradients kept by :meth:`no_sync` (stage 2), not yet sent."""
-        return list(self._in_order.kept.values())
-
     def _add_grad(self, p: torch.Tensor, part: torch.Tensor) -> None:
         """The mean slice of ``p``'s gradient into its slice's ``.grad``; the full gradient
         was taken from ``p`` (freed). With k backward passes before ``step()`` (gradient
@@ -350,7 +362,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state_dict)
 
 
-class ZeroModel(nn.Module):
+class ZeroModel(_NoSync, nn.Module):
     """ZeRO stage 3 (FSDP) around ``module``: between uses, each rank holds only its slice
     of every parameter (:meth:`shards`, float32: the master weights).
 
@@ -516,22 +528,6 @@ class ZeroModel(nn.Module):
             if self._pending[unit] == 0:      # the unit's backward is done: free
                 self._free(unit)
         return hook
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside keep whole gradients (:meth:`kept`: the memory of the
-        whole gradients, in the compute dtype) and reduce-scatter nothing; the first
-        backward pass after it sends their sum (FSDP2's
-        ``set_requires_gradient_sync(False)``)."""
-        self._sync, before = False, self._sync
-        try:
-            yield
-        finally:
-            self._sync = before
-
-    def kept(self) -> list[torch.Tensor]:
-        """The whole gradients kept by :meth:`no_sync`, not yet sent."""
-        return list(self._in_order.kept.values())
 
     def _add_grad(self, p: nn.Parameter, part: torch.Tensor) -> None:
         s = self._slice[p]
