@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from dpbook import launch
-from dpbook.torch import ddp, ddp_check, dist
+from dpbook.torch import ddp, ddp_check, dist, mismatch
 
 pytestmark = pytest.mark.multiprocess     # every test leaves no process behind
 
@@ -149,6 +149,43 @@ def test_killed_worker_without_restarts_fails_clearly(tmp_path, fashion_mnist_di
 
 # Resuming from a checkpoint gives the parameters of an uninterrupted run (difference 0.0):
 # asserted by the multi-machine notebook ("When things fail"), which the suite runs.
+
+
+def test_rank_errors_shortens_a_mismatch():
+    fingerprint = ("CollectiveFingerPrint(SequenceNumber=0, OpType={}, TensorShape=[4], "
+                   "TensorDtypes=Float, TensorDeviceTypes=TensorOptions(dtype=float "
+                   "(default), device=cpu, memory_format=(nullopt)))")
+    output = ("[rank0]: Traceback (most recent call last):\n"
+              "[rank0]: RuntimeError: Detected mismatch between collectives on ranks. "
+              f"Rank 0 is running collective: {fingerprint.format('ALLREDUCE')}, but "
+              f"Rank 1 is running collective: {fingerprint.format('BROADCAST')}."
+              "Collectives differ in the following aspects:   Op type: ALLREDUCEvs BROADCAST\n"
+              "[rank1]: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/"
+              "unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete\n")
+    assert mismatch.rank_errors(output) == {
+        0: "Detected mismatch between collectives on ranks. Rank 0 is running collective: "
+           "CollectiveFingerPrint(SequenceNumber=0, OpType=ALLREDUCE, TensorShape=[4], …), "
+           "but Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=0, "
+           "OpType=BROADCAST, TensorShape=[4], …). Collectives differ in the following "
+           "aspects: Op type: ALLREDUCEvs BROADCAST",
+        1: "Timed out waiting 3000ms for recv operation to complete"}
+
+
+@pytest.mark.timeout(120)
+def test_detail_names_the_mismatched_collectives():
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL, the last rank's broadcast against rank 0's
+    allreduce (gloo, CPU) is an error on both ranks that names both collectives. (The
+    plain run, a timeout on both ranks, is asserted by the multi-machine notebook.)"""
+    cmd = dist.torchrun_command(["--timeout", "3"], nproc_per_node=2,
+                                module="dpbook.torch.mismatch")
+    [result] = launch.run_local([cmd], timeout=100, check=False,
+                                env={**LOOPBACK, "TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    errors = mismatch.rank_errors(result.output)
+    assert result.returncode != 0 and sorted(errors) == [0, 1], result.output[-3000:]
+    for error in errors.values():
+        assert error.startswith("Detected mismatch between collectives"), error
+        assert "OpType=ALLREDUCE" in error and "OpType=BROADCAST" in error, error
+    assert not _sessions_alive([result])
 
 
 # --- JAX: two processes × two emulated devices ---------------------------------------------
