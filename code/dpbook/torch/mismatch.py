@@ -9,6 +9,9 @@ Started by a launcher, one process per rank, on the CPU (gloo)::
 Without ``DETAIL`` nothing compares the ranks' collectives: each waits for data that never
 comes, until ``--timeout`` seconds have passed. With it, every collective is first
 compared across the ranks, and a mismatch is an error that names both sides.
+
+``--ddp`` runs ``ddp_worker`` instead: DDP around one small layer, one step, no bug. The
+multi-machine page runs it under ``DETAIL`` to check what that mode does to DDP.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch.distributed as dist
 
 from .dist import process_group, rank_from_env
 
-__all__ = ["worker", "main", "rank_errors"]
+__all__ = ["worker", "ddp_worker", "main", "rank_errors"]
 
 
 def worker(rank: int, world_size: int, local_rank: int = 0, timeout: float = 3) -> None:
@@ -37,6 +40,15 @@ def worker(rank: int, world_size: int, local_rank: int = 0, timeout: float = 3) 
         else:
             dist.all_reduce(x, group=group)
         print(f"rank {rank}: {x.tolist()}", flush=True)
+
+
+def ddp_worker(rank: int, world_size: int, local_rank: int = 0) -> None:
+    """Join the group, wrap one ``nn.Linear`` in DDP, take one step, print "ok"."""
+    with process_group(rank, world_size, local_rank, on="cpu"):
+        net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        net(torch.ones(3, 4)).sum().backward()         # DDP all-reduces the gradients
+        print(f"rank {rank}: ok", flush=True)
+        del net                   # DDP goes before its group (as dpbook.torch.ddp_minimal)
 
 
 #: the message of a rank's uncaught error (torchrun prefixes every line with ``[rankN]:``)
@@ -68,13 +80,18 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--timeout", type=float, default=3,
                    help="seconds a collective waits for the other ranks")
+    p.add_argument("--ddp", action="store_true",
+                   help="run ddp_worker (DDP, no bug) instead of the mismatch")
     args = p.parse_args(argv)
     placement = rank_from_env()
     if placement is None:
         sys.exit("start it with a launcher: torchrun --nproc-per-node=2 -m "
                  "dpbook.torch.mismatch")
     rank, world_size, local_rank = placement
-    worker(rank, world_size, local_rank, args.timeout)
+    if args.ddp:
+        ddp_worker(rank, world_size, local_rank)
+    else:
+        worker(rank, world_size, local_rank, args.timeout)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)                 # as dpbook.torch.ddp: no teardown (pytorch/pytorch#179291)
