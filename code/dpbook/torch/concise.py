@@ -43,13 +43,13 @@ def data_parallel_info(net: nn.Module) -> str:
     if not isinstance(net, nn.DataParallel):
         return "a plain module: one device"
     if not net.device_ids:
-        return ("nn.DataParallel with device_ids=[]: no CUDA device, so it calls the module "
-                "once on the whole batch (nothing runs in parallel)")
+        return ("nn.DataParallel with device_ids=[]: no CUDA device, so it calls the "
+                "module once, on the whole batch")
     if len(net.device_ids) == 1:
         return (f"nn.DataParallel over GPU {net.device_ids[0]} alone: it calls the module "
                 "directly, with nothing to scatter or gather")
-    return (f"nn.DataParallel over GPUs {net.device_ids}: scatter the batch, replicate the "
-            f"module, run in parallel, gather outputs on cuda:{net.output_device}")
+    return (f"nn.DataParallel over GPUs {net.device_ids}: scatter, replicate, run in "
+            f"parallel, gather on cuda:{net.output_device}")
 
 
 def train(num_devices: int, batch_size: int, lr: float,
