@@ -73,6 +73,11 @@ def test_train_smoke_same_init_same_losses_on_cpu(fashion_mnist_dir):
         assert runs[0].train_loss == pytest.approx(runs[1].train_loss, rel=1e-6)
         assert all(r.extra["replicas"] == 1 and not isinstance(r.model, nn.DataParallel)
                    and "no GPU" in r.extra["data_parallel"] for r in runs)
+    else:                               # on GPUs the wrapper runs, over distinct GPUs
+        for k, r in zip((1, 2), runs):
+            assert isinstance(r.model, nn.DataParallel)
+            assert r.extra["replicas"] == min(k, torch.cuda.device_count())
+            assert "nn.DataParallel" in r.extra["data_parallel"]
 
 
 # --- DistributedDataParallel: real processes, gloo on loopback -------------------------

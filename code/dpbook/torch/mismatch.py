@@ -10,8 +10,9 @@ Without ``DETAIL`` nothing compares the ranks' collectives: each waits for data 
 comes, until ``--timeout`` seconds have passed. With it, every collective is first
 compared across the ranks, and a mismatch is an error that names both sides.
 
-``--ddp`` runs ``ddp_worker`` instead: DDP around one small layer, one step, no bug. The
-multi-machine page runs it under ``DETAIL`` to check what that mode does to DDP.
+``--ddp`` runs ``ddp_worker`` instead: DDP around one small layer, one forward and
+backward pass, no bug. The multi-machine page runs it under ``DETAIL`` to check what that
+mode does to DDP.
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def worker(rank: int, world_size: int, local_rank: int = 0, timeout: float = 3) 
 
 
 def ddp_worker(rank: int, world_size: int, local_rank: int = 0) -> None:
-    """Join the group, wrap one ``nn.Linear`` in DDP, take one step, print "ok"."""
+    """Join the group, wrap one ``nn.Linear`` in DDP, run one forward and backward pass
+    (DDP all-reduces the gradients), print "ok"."""
     with process_group(rank, world_size, local_rank, on="cpu"):
         net = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
         net(torch.ones(3, 4)).sum().backward()         # DDP all-reduces the gradients
